@@ -1,0 +1,200 @@
+"""Multi-Head Attention from scratch, following the article (sections 2 and 3), made correct.
+
+What differs from the article, and why:
+  * masks follow PyTorch's convention (bool True = blocked, float = added); the article's
+    `masked_fill(mask == 0, -1e9)` blocked the wrong keys. All masks go through `masks.merge_masks`.
+  * `ScaledDotProductAttention` works on 3-D (B, L, d) and 4-D (B, H, L, d) inputs; the article's
+    unpacked `Q.size()` into 3 names and crashed on the 4-D tensors its own MHA passes in.
+  * no dropout after W_O: the encoder layer owns the residual dropout (the article applied two).
+  * `need_weights=False` takes PyTorch's fused kernel (flash / memory-efficient on CUDA).
+  * a query whose keys are all masked gives output 0 and zero gradients instead of NaN.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from mhalab.masks import dead_rows, merge_masks, to_additive
+
+
+class ScaledDotProductAttention(nn.Module):
+    """softmax(Q K^T / sqrt(d) + mask) V, for (..., L, d) inputs: 3-D or 4-D (B, H, L, d)."""
+
+    def __init__(self, dropout: float = 0.0):
+        super().__init__()
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(
+        self, Q: Tensor, K: Tensor, V: Tensor, mask: Tensor | None = None, need_weights: bool = True
+    ) -> tuple[Tensor, Tensor | None]:
+        # Q: (..., L_q, d)  K, V: (..., L_k, d)  mask: bool/float broadcastable to (..., L_q, L_k)
+        if mask is not None and (mask.dtype == torch.bool or mask.dtype != Q.dtype):
+            mask = to_additive(mask, "mask", Q.dtype)
+        dead = dead_rows(mask)
+        if dead is not None:
+            mask = mask.masked_fill(dead, 0.0)  # keep softmax finite; the row is zeroed below
+
+        if need_weights:
+            scores = Q @ K.transpose(-2, -1) / math.sqrt(Q.size(-1))  # (..., L_q, L_k)
+            if mask is not None:
+                scores = scores + mask
+            # softmax in float32: bf16/fp16 scores lose too much precision in exp/sum
+            weights = F.softmax(scores, dim=-1, dtype=torch.float32).to(Q.dtype)
+            if dead is not None:
+                weights = weights.masked_fill(dead, 0.0)
+            weights = self.dropout(weights)
+            out = weights @ V  # (..., L_q, d)
+        else:
+            p = self.dropout.p if self.training else 0.0
+            out = F.scaled_dot_product_attention(Q, K, V, attn_mask=mask, dropout_p=p)
+            weights = None
+            if dead is not None:
+                out = out.masked_fill(dead, 0.0)
+        return out, weights
+
+
+class MultiHeadAttention(nn.Module):
+    """The article's MHA: project with W_Q/W_K/W_V, split heads, attend, merge, project with W_O.
+
+    forward(Q, K=None, V=None, key_padding_mask=None, attn_mask=None, need_weights=True)
+      -> (output (B, L_q, E), weights (B, H, L_q, L_k) or None)
+    Inputs are batch-first. K and V default to Q (self-attention).
+    `attention` swaps the kernel (see mhalab.variants); `rotary` rotates q and k (RoPE);
+    `position_bias` adds a (H, L_q, L_k) bias to the scores (ALiBi, T5).
+    """
+
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        dropout: float = 0.0,
+        bias: bool = True,
+        attention: nn.Module | None = None,
+        rotary: nn.Module | None = None,
+        position_bias: nn.Module | None = None,
+    ):
+        super().__init__()
+        if embed_dim <= 0 or num_heads <= 0:
+            raise ValueError(f"embed_dim ({embed_dim}) and num_heads ({num_heads}) must be positive.")
+        if embed_dim % num_heads != 0:
+            raise ValueError(
+                f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads}): each head gets "
+                f"embed_dim / num_heads dims. Try num_heads in "
+                f"{[h for h in range(1, min(embed_dim, 64) + 1) if embed_dim % h == 0]}."
+            )
+        self.embed_dim = embed_dim
+        self.num_heads = num_heads
+        self.head_dim = embed_dim // num_heads
+        self.W_Q = nn.Linear(embed_dim, embed_dim, bias=bias)
+        self.W_K = nn.Linear(embed_dim, embed_dim, bias=bias)
+        self.W_V = nn.Linear(embed_dim, embed_dim, bias=bias)
+        self.W_O = nn.Linear(embed_dim, embed_dim, bias=bias)
+        self.attention = attention if attention is not None else ScaledDotProductAttention(dropout)
+        self.rotary = rotary
+        self.position_bias = position_bias
+        self._reset_parameters()
+
+    def _reset_parameters(self) -> None:
+        # Same init as nn.MultiheadAttention: xavier on the stacked (3E, E) in-projection, zero biases.
+        w = torch.empty(3 * self.embed_dim, self.embed_dim)
+        nn.init.xavier_uniform_(w)
+        for lin, chunk in zip((self.W_Q, self.W_K, self.W_V), w.chunk(3)):
+            with torch.no_grad():
+                lin.weight.copy_(chunk)
+            if lin.bias is not None:
+                nn.init.zeros_(lin.bias)
+        if self.W_O.bias is not None:
+            nn.init.zeros_(self.W_O.bias)
+
+    def _project(self, Q: Tensor, K: Tensor, V: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        if K is Q and V is Q:
+            # self-attention: one (E -> 3E) matmul instead of three; same numbers, fewer kernel calls
+            w = torch.cat([self.W_Q.weight, self.W_K.weight, self.W_V.weight])
+            b = None if self.W_Q.bias is None else torch.cat([self.W_Q.bias, self.W_K.bias, self.W_V.bias])
+            return F.linear(Q, w, b).chunk(3, dim=-1)
+        return self.W_Q(Q), self.W_K(K), self.W_V(V)
+
+    def forward(
+        self,
+        Q: Tensor,
+        K: Tensor | None = None,
+        V: Tensor | None = None,
+        key_padding_mask: Tensor | None = None,
+        attn_mask: Tensor | None = None,
+        need_weights: bool = True,
+    ) -> tuple[Tensor, Tensor | None]:
+        K = Q if K is None else K
+        V = K if V is None else V
+        for name, t in (("Q", Q), ("K", K), ("V", V)):
+            if t.dim() != 3 or t.size(-1) != self.embed_dim:
+                raise ValueError(
+                    f"{name} has shape {tuple(t.shape)}; expected (batch, seq_len, embed_dim={self.embed_dim}) "
+                    f"(inputs are batch-first)."
+                )
+        B, L_q, _ = Q.shape
+        L_k = K.size(1)
+        if K.size(0) != B or V.shape[:2] != K.shape[:2]:
+            raise ValueError(
+                f"batch/length mismatch: Q {tuple(Q.shape)}, K {tuple(K.shape)}, V {tuple(V.shape)}; "
+                f"K and V need the same (batch, L_k), and batch must equal Q's."
+            )
+
+        q, k, v = self._project(Q, K, V)  # (B, L, E) each
+        # split heads: (B, L, E) -> (B, L, H, d) -> (B, H, L, d)
+        q = q.view(B, L_q, self.num_heads, self.head_dim).transpose(1, 2)
+        k = k.view(B, L_k, self.num_heads, self.head_dim).transpose(1, 2)
+        v = v.view(B, L_k, self.num_heads, self.head_dim).transpose(1, 2)
+        if self.rotary is not None:
+            q, k = self.rotary(q, k)
+
+        pos_bias = self.position_bias(L_q, L_k) if self.position_bias is not None else None
+        mask = merge_masks(
+            attn_mask, key_padding_mask, batch=B, num_heads=self.num_heads, L_q=L_q, L_k=L_k,
+            dtype=q.dtype, bias=pos_bias,
+        )  # None or broadcastable to (B, H, L_q, L_k)
+        out, weights = self.attention(q, k, v, mask=mask, need_weights=need_weights)
+        # merge heads: (B, H, L_q, d) -> (B, L_q, H, d) -> (B, L_q, E)
+        out = out.transpose(1, 2).reshape(B, L_q, self.embed_dim)
+        return self.W_O(out), weights
+
+    # ---- converters to and from nn.MultiheadAttention (batch_first) ----
+    @classmethod
+    def from_official(cls, mha: nn.MultiheadAttention) -> "MultiHeadAttention":
+        if not mha._qkv_same_embed_dim or mha.bias_k is not None or mha.add_zero_attn:
+            raise ValueError(
+                "from_official supports nn.MultiheadAttention with kdim = vdim = embed_dim, "
+                "add_bias_kv=False and add_zero_attn=False."
+            )
+        has_bias = mha.in_proj_bias is not None
+        ours = cls(mha.embed_dim, mha.num_heads, dropout=mha.dropout, bias=has_bias)
+        ours = ours.to(device=mha.in_proj_weight.device, dtype=mha.in_proj_weight.dtype)
+        with torch.no_grad():
+            for lin, w in zip((ours.W_Q, ours.W_K, ours.W_V), mha.in_proj_weight.chunk(3)):
+                lin.weight.copy_(w)
+            ours.W_O.weight.copy_(mha.out_proj.weight)
+            if has_bias:
+                for lin, b in zip((ours.W_Q, ours.W_K, ours.W_V), mha.in_proj_bias.chunk(3)):
+                    lin.bias.copy_(b)
+                ours.W_O.bias.copy_(mha.out_proj.bias)
+        return ours
+
+    def to_official(self) -> nn.MultiheadAttention:
+        if not isinstance(self.attention, ScaledDotProductAttention) or self.rotary or self.position_bias:
+            raise ValueError("to_official needs plain softmax attention without rotary or position bias.")
+        has_bias = self.W_Q.bias is not None
+        w = self.W_Q.weight
+        mha = nn.MultiheadAttention(
+            self.embed_dim, self.num_heads, dropout=self.attention.dropout.p, bias=has_bias,
+            batch_first=True, device=w.device, dtype=w.dtype,
+        )
+        with torch.no_grad():
+            mha.in_proj_weight.copy_(torch.cat([self.W_Q.weight, self.W_K.weight, self.W_V.weight]))
+            mha.out_proj.weight.copy_(self.W_O.weight)
+            if has_bias:
+                mha.in_proj_bias.copy_(torch.cat([self.W_Q.bias, self.W_K.bias, self.W_V.bias]))
+                mha.out_proj.bias.copy_(self.W_O.bias)
+        return mha

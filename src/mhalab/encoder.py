@@ -1,0 +1,191 @@
+"""Transformer encoder layer and stack (article section 5), and PyTorch's behind the same interface.
+
+The article's layer applied dropout twice to each sub-layer output (inside `ffn` and again on the
+residual, and after W_O inside its MHA and again on the residual). Here each sub-layer output is
+dropped once, exactly where nn.TransformerEncoderLayer drops it, so the two are numerically equal.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from mhalab.attention import MultiHeadAttention
+
+ACTIVATIONS = {"relu": nn.ReLU, "gelu": nn.GELU}
+
+
+def _activation(name: str) -> nn.Module:
+    if name not in ACTIVATIONS:
+        raise ValueError(f"activation '{name}' is not supported; choose one of {sorted(ACTIVATIONS)}.")
+    return ACTIVATIONS[name]()
+
+
+class TransformerEncoderLayer(nn.Module):
+    """Post-norm (the article, and Vaswani et al.) or pre-norm (`norm_first=True`) encoder layer.
+
+    post-norm: x = norm1(x + drop(attn(x)));  x = norm2(x + drop(ffn(x)))
+    pre-norm:  x = x + drop(attn(norm1(x)));  x = x + drop(ffn(norm2(x)))
+    """
+
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        ff_dim: int,
+        dropout: float = 0.1,
+        activation: str = "gelu",
+        norm_first: bool = False,
+        layer_norm_eps: float = 1e-5,
+        self_attn: MultiHeadAttention | None = None,
+    ):
+        super().__init__()
+        self.self_attn = self_attn if self_attn is not None else MultiHeadAttention(embed_dim, num_heads, dropout)
+        # ffn: Linear -> act -> Dropout -> Linear; its output is dropped once, by dropout2
+        self.ffn = nn.Sequential(
+            nn.Linear(embed_dim, ff_dim), _activation(activation), nn.Dropout(dropout), nn.Linear(ff_dim, embed_dim)
+        )
+        self.norm1 = nn.LayerNorm(embed_dim, eps=layer_norm_eps)
+        self.norm2 = nn.LayerNorm(embed_dim, eps=layer_norm_eps)
+        self.dropout1 = nn.Dropout(dropout)
+        self.dropout2 = nn.Dropout(dropout)
+        self.activation = activation
+        self.norm_first = norm_first
+
+    def _sa(self, x: Tensor, mask: Tensor | None, kpm: Tensor | None) -> Tensor:
+        out, _ = self.self_attn(x, key_padding_mask=kpm, attn_mask=mask, need_weights=False)
+        return self.dropout1(out)
+
+    def forward(
+        self, src: Tensor, src_mask: Tensor | None = None, src_key_padding_mask: Tensor | None = None
+    ) -> Tensor:
+        x = src  # (B, L, E)
+        if self.norm_first:
+            x = x + self._sa(self.norm1(x), src_mask, src_key_padding_mask)
+            x = x + self.dropout2(self.ffn(self.norm2(x)))
+        else:
+            x = self.norm1(x + self._sa(x, src_mask, src_key_padding_mask))
+            x = self.norm2(x + self.dropout2(self.ffn(x)))
+        return x
+
+    # ---- converters to and from nn.TransformerEncoderLayer (batch_first) ----
+    @classmethod
+    def from_official(cls, layer: nn.TransformerEncoderLayer) -> "TransformerEncoderLayer":
+        act = layer.activation
+        name = {F.relu: "relu", F.gelu: "gelu"}.get(act) or {nn.ReLU: "relu", nn.GELU: "gelu"}.get(type(act))
+        if name is None or (isinstance(act, nn.GELU) and act.approximate != "none"):
+            raise ValueError(f"from_official supports relu and exact gelu activations, got {act}.")
+        if not layer.self_attn.batch_first:
+            raise ValueError("from_official expects batch_first=True (our layers are batch-first).")
+        p = layer.dropout.p
+        ours = cls(
+            layer.self_attn.embed_dim, layer.self_attn.num_heads, layer.linear1.out_features, dropout=p,
+            activation=name, norm_first=layer.norm_first, layer_norm_eps=layer.norm1.eps,
+            self_attn=MultiHeadAttention.from_official(layer.self_attn),
+        ).to(layer.linear1.weight.device, layer.linear1.weight.dtype)
+        ours.ffn[0].load_state_dict(layer.linear1.state_dict())
+        ours.ffn[3].load_state_dict(layer.linear2.state_dict())
+        ours.norm1.load_state_dict(layer.norm1.state_dict())
+        ours.norm2.load_state_dict(layer.norm2.state_dict())
+        return ours
+
+    def to_official(self) -> nn.TransformerEncoderLayer:
+        lin1 = self.ffn[0]
+        layer = nn.TransformerEncoderLayer(
+            self.self_attn.embed_dim, self.self_attn.num_heads, lin1.out_features, dropout=self.dropout1.p,
+            activation=self.activation, layer_norm_eps=self.norm1.eps, batch_first=True,
+            norm_first=self.norm_first, device=lin1.weight.device, dtype=lin1.weight.dtype,
+        )
+        layer.self_attn = self.self_attn.to_official()
+        layer.linear1.load_state_dict(lin1.state_dict())
+        layer.linear2.load_state_dict(self.ffn[3].state_dict())
+        layer.norm1.load_state_dict(self.norm1.state_dict())
+        layer.norm2.load_state_dict(self.norm2.state_dict())
+        return layer
+
+
+class TransformerEncoder(nn.Module):
+    """N encoder layers, with an optional final LayerNorm (use it with pre-norm layers)."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        embed_dim: int,
+        num_heads: int,
+        ff_dim: int,
+        dropout: float = 0.1,
+        activation: str = "gelu",
+        norm_first: bool = False,
+        final_norm: bool = False,
+        layer: TransformerEncoderLayer | None = None,
+    ):
+        super().__init__()
+        if num_layers < 1:
+            raise ValueError(f"num_layers must be >= 1, got {num_layers}.")
+        proto = layer or TransformerEncoderLayer(embed_dim, num_heads, ff_dim, dropout, activation, norm_first)
+        # deep copies, then re-initialise each attention so layers do not start identical
+        self.layers = nn.ModuleList([copy.deepcopy(proto) for _ in range(num_layers)])
+        for lyr in self.layers[1:]:
+            for m in lyr.modules():
+                if isinstance(m, MultiHeadAttention):
+                    m._reset_parameters()
+                elif isinstance(m, nn.Linear):
+                    m.reset_parameters()
+        self.norm = nn.LayerNorm(embed_dim) if final_norm else None
+
+    def forward(self, src: Tensor, mask: Tensor | None = None, src_key_padding_mask: Tensor | None = None) -> Tensor:
+        x = src
+        for layer in self.layers:
+            x = layer(x, src_mask=mask, src_key_padding_mask=src_key_padding_mask)
+        return self.norm(x) if self.norm is not None else x
+
+    @classmethod
+    def from_official(cls, enc: nn.TransformerEncoder) -> "TransformerEncoder":
+        layers = [TransformerEncoderLayer.from_official(lyr) for lyr in enc.layers]
+        first = layers[0]
+        ours = cls(len(layers), first.self_attn.embed_dim, first.self_attn.num_heads,
+                   first.ffn[0].out_features, final_norm=enc.norm is not None, layer=first)
+        ours.layers = nn.ModuleList(layers)
+        if enc.norm is not None:
+            ours.norm.load_state_dict(enc.norm.state_dict())
+        return ours
+
+    def to_official(self) -> nn.TransformerEncoder:
+        layers = [lyr.to_official() for lyr in self.layers]
+        enc = nn.TransformerEncoder(layers[0], len(layers), norm=copy.deepcopy(self.norm),
+                                    enable_nested_tensor=False)
+        enc.layers = nn.ModuleList(layers)
+        return enc
+
+
+class OfficialEncoder(nn.Module):
+    """nn.TransformerEncoder behind TransformerEncoder's constructor and forward, so configs swap them."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        embed_dim: int,
+        num_heads: int,
+        ff_dim: int,
+        dropout: float = 0.1,
+        activation: str = "gelu",
+        norm_first: bool = False,
+        final_norm: bool = False,
+    ):
+        super().__init__()
+        if embed_dim % num_heads != 0:
+            raise ValueError(f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads}).")
+        _activation(activation)  # same check and message as ours
+        layer = nn.TransformerEncoderLayer(
+            embed_dim, num_heads, ff_dim, dropout, activation=activation, batch_first=True, norm_first=norm_first
+        )
+        # nested tensors ("unpadding") only apply to post-norm in eval; keep PyTorch's default there
+        self.encoder = nn.TransformerEncoder(
+            layer, num_layers, norm=nn.LayerNorm(embed_dim) if final_norm else None,
+            enable_nested_tensor=not norm_first,
+        )
+
+    def forward(self, src: Tensor, mask: Tensor | None = None, src_key_padding_mask: Tensor | None = None) -> Tensor:
+        return self.encoder(src, mask=mask, src_key_padding_mask=src_key_padding_mask)
