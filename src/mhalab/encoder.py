@@ -189,3 +189,11 @@ class OfficialEncoder(nn.Module):
 
     def forward(self, src: Tensor, mask: Tensor | None = None, src_key_padding_mask: Tensor | None = None) -> Tensor:
         return self.encoder(src, mask=mask, src_key_padding_mask=src_key_padding_mask)
+
+    @classmethod
+    def wrap(cls, encoder: nn.TransformerEncoder) -> "OfficialEncoder":
+        """Wrap an existing (batch-first) nn.TransformerEncoder, e.g. from TransformerEncoder.to_official()."""
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        self.encoder = encoder
+        return self

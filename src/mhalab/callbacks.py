@@ -1,0 +1,71 @@
+"""Lightning callbacks for runs that survive interruption and resume exactly."""
+
+from __future__ import annotations
+
+import logging
+import random
+from pathlib import Path
+
+import lightning as L
+import numpy as np
+import torch
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+log = logging.getLogger("mhalab")
+
+
+class SaveOnInterrupt(L.Callback):
+    """On Ctrl-C (SIGINT) or a cluster's pre-emption (SIGTERM), save `last.ckpt` before exiting.
+
+    Lightning raises SIGTERMException after the current batch finishes, and KeyboardInterrupt
+    wherever it lands; both reach `on_exception` while the loop state is still intact.
+    """
+
+    def __init__(self, dirpath: str | Path):
+        self.dirpath = Path(dirpath)
+
+    def on_exception(self, trainer, pl_module, exception):
+        if isinstance(exception, (KeyboardInterrupt, SIGTERMException)) and trainer.state.fn == "fit":
+            path = self.dirpath / "last.ckpt"
+            trainer.save_checkpoint(path)
+            log.warning("interrupted at global step %d; saved %s (resume with ckpt_path=%s)",
+                        trainer.global_step, path, path)
+
+
+class ResumeState(L.Callback):
+    """Save what Lightning does not: RNG states and the position of the batch sampler in its epoch.
+
+    With these, a run resumed from a mid-epoch checkpoint sees the same batches and the same
+    dropout masks as the run that was never stopped.
+    """
+
+    def state_dict(self):  # Lightning stores a callback's state_dict in the checkpoint
+        return {}
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint):
+        loop = trainer.fit_loop.epoch_loop
+        checkpoint["resume_state"] = {
+            "epoch": trainer.current_epoch,
+            "batches_done": loop.batch_progress.current.completed,
+            "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+            "numpy": np.random.get_state(),
+            "python": random.getstate(),
+        }
+
+    def on_load_checkpoint(self, trainer, pl_module, checkpoint):
+        self._pending = checkpoint.get("resume_state")
+
+    def on_train_start(self, trainer, pl_module):
+        st = getattr(self, "_pending", None)
+        if not st:
+            return
+        sampler = getattr(trainer.datamodule, "train_batch_sampler", None)
+        if sampler is not None and st["epoch"] == trainer.current_epoch:
+            sampler.load_state_dict({"epoch": st["epoch"], "batches_yielded": st["batches_done"]})
+        torch.set_rng_state(st["torch"])
+        if st["cuda"] is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(st["cuda"])
+        np.random.set_state(st["numpy"])
+        random.setstate(st["python"])
+        self._pending = None
