@@ -33,20 +33,18 @@ class SaveOnInterrupt(L.Callback):
 
 
 class ResumeState(L.Callback):
-    """Save what Lightning does not: RNG states and the position of the batch sampler in its epoch.
+    """Save what Lightning does not: the RNG states (dropout masks depend on them).
 
-    With these, a run resumed from a mid-epoch checkpoint sees the same batches and the same
-    dropout masks as the run that was never stopped.
+    The batch sampler's position is saved by the datamodule's own state_dict. With both, a run
+    resumed from a mid-epoch checkpoint sees the same batches and the same dropout masks as the
+    run that was never stopped.
     """
 
     def state_dict(self):  # Lightning stores a callback's state_dict in the checkpoint
         return {}
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint):
-        loop = trainer.fit_loop.epoch_loop
         checkpoint["resume_state"] = {
-            "epoch": trainer.current_epoch,
-            "batches_done": loop.batch_progress.current.completed,
             "torch": torch.get_rng_state(),
             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
             "numpy": np.random.get_state(),
@@ -60,9 +58,6 @@ class ResumeState(L.Callback):
         st = getattr(self, "_pending", None)
         if not st:
             return
-        sampler = getattr(trainer.datamodule, "train_batch_sampler", None)
-        if sampler is not None and st["epoch"] == trainer.current_epoch:
-            sampler.load_state_dict({"epoch": st["epoch"], "batches_yielded": st["batches_done"]})
         torch.set_rng_state(st["torch"])
         if st["cuda"] is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(st["cuda"])

@@ -44,7 +44,7 @@ class ConfigError(ValueError):
 
 def validate(cfg: DictConfig) -> None:
     """Cheap checks of the composed config. Each message names the value and the fix."""
-    from mhalab.variants import ATTENTIONS, POSITIONS
+    from mhalab.variants import ATTENTIONS, POSITIONS, check_combination
 
     m = cfg.model
     dim, heads = int(m.dim), int(m.heads)
@@ -66,6 +66,13 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(f"unknown model.attention '{m.attention}'; choose one of {', '.join(ATTENTIONS)}.")
     if m.pos not in POSITIONS:
         raise ConfigError(f"unknown model.pos '{m.pos}'; choose one of {', '.join(POSITIONS)}.")
+    try:
+        check_combination(m.attention, m.pos)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if m.encoder == "official" and (m.attention != "full" or m.pos not in ("sinusoidal", "learned")):
+        raise ConfigError(f"model=official supports attention=full with pos=sinusoidal|learned only (got "
+                          f"attention={m.attention}, pos={m.pos}); use model=custom for the variants.")
     d = cfg.data
     if int(d.max_len) < 1:
         raise ConfigError(f"max_len={d.max_len} must be >= 1 (tokens kept per text).")
