@@ -1,0 +1,501 @@
+"""Sweep report (mhalab.report, scripts/report.py, mhalab.hydra_callbacks) on synthetic multirun dirs."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+from omegaconf import OmegaConf
+
+from mhalab.hydra_callbacks import ReportCallback
+from mhalab.report import (
+    INCONCLUSIVE,
+    NOT_COVERED,
+    NOT_SUPPORTED,
+    SUPPORTED,
+    NoMembersError,
+    collect_results,
+    compute_verdicts,
+    summarize_settings,
+    training_val_rows,
+    write_report,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _config(heads: int, dim: int = 128, seed: int = 0, ff_ratio: int = 4, dropout: float = 0.1) -> dict:
+    return {
+        "heads": heads, "dim": dim, "layers": 2, "ff_dim": ff_ratio * dim, "dropout": dropout, "lr": 1e-3,
+        "batch_size": 64, "max_epochs": 3, "max_len": 64, "seed": seed,
+        "model": {"name": "custom", "attention": "full", "pos": "sinusoidal"}, "data": {"name": "sst2"},
+    }
+
+
+def _lightning_csv(path: Path, val_acc: float, epochs: int = 3, steps_per_epoch: int = 10) -> None:
+    """A sparse Lightning CSV log: train rows, one val row per epoch, then the post-fit validate/test rows."""
+    rows = []
+    for ep in range(epochs):
+        for i in range(steps_per_epoch):
+            step = ep * steps_per_epoch + i
+            rows.append({"epoch": ep, "step": step, "train/loss": 0.7 - 0.01 * step})
+        rows.append({"epoch": ep, "step": (ep + 1) * steps_per_epoch - 1, "val/loss": 0.6 - 0.05 * ep,
+                     "val/acc": val_acc - 0.01 * (epochs - 1 - ep)})
+    last = epochs * steps_per_epoch - 1
+    rows.append({"epoch": epochs, "step": last, "val/loss": 0.1, "val/acc": val_acc})  # trainer.validate(best)
+    rows.append({"epoch": epochs, "step": last, "test/acc": 0.5, "test/loss": 0.9})
+    pd.DataFrame(rows, columns=["epoch", "step", "train/loss", "val/loss", "val/acc", "test/acc",
+                                "test/loss"]).to_csv(path, index=False)
+
+
+def _member(root: Path, name: str, heads: int, seed: int, val_acc: float, test_acc: float,
+            wall: float = 100.0) -> Path:
+    d = root / name
+    d.mkdir(parents=True)
+    record = {
+        "status": "finished", "error": None, "overrides": [f"heads={heads}", f"seed={seed}"], "seed": seed,
+        "config": _config(heads, seed=seed), "params": 1000 * heads, "epochs": 3, "global_step": 30,
+        "wall_time_s": wall, "tokens_per_s": 2000.0 * heads, "padding_fraction": 0.05,
+        "best": {"val/acc": val_acc, "val/loss": 0.45}, "final": {"val/acc": val_acc - 0.01, "val/loss": 0.46,
+                                                                   "test/acc": test_acc, "test/f1": 0.7,
+                                                                   "test/loss": 0.47},
+        "device": "cpu", "output_dir": str(d),
+    }
+    (d / "metrics.json").write_text(json.dumps(record))
+    _lightning_csv(d / "metrics.csv", val_acc)
+    return d
+
+
+HEADS2_VAL = [0.70, 0.72, 0.74]  # mean 0.72, std 0.02
+HEADS2_TEST = [0.90, 0.91, 0.92]  # better on test: must not make heads=2 the best
+HEADS8_VAL = [0.80, 0.81, 0.82]  # mean 0.81, std 0.01
+HEADS8_TEST = [0.60, 0.61, 0.62]
+
+
+def _build_sweep(root: Path) -> Path:
+    """heads=2 and heads=8 x seeds 0-2 (finished; heads=8 one level deeper), plus three heads=16 members:
+    failed, still running, and a Hydra job dir that never wrote metrics.json."""
+    for s in range(3):
+        _member(root, f"heads=2,seed={s}", 2, s, HEADS2_VAL[s], HEADS2_TEST[s], wall=100 + s)
+        _member(root / "grp", f"heads=8,seed={s}", 8, s, HEADS8_VAL[s], HEADS8_TEST[s], wall=200 + s)
+    failed = root / "heads=16,seed=0"
+    failed.mkdir()
+    (failed / "metrics.json").write_text(json.dumps({
+        "status": "failed", "error": "RuntimeError: CUDA out of memory", "overrides": ["heads=16", "seed=0"],
+        "seed": 0}))
+    running = root / "heads=16,seed=1"
+    running.mkdir()
+    (running / "metrics.json").write_text(json.dumps({
+        "status": "running", "error": None, "overrides": ["heads=16", "seed=1"], "seed": 1,
+        "config": _config(16, seed=1)}))
+    crashed = root / "heads=16,seed=2" / ".hydra"
+    crashed.mkdir(parents=True)
+    (crashed / "config.yaml").write_text("heads: 16\ndim: 128\nseed: 2\n")
+    (crashed / "overrides.yaml").write_text("- heads=16\n- seed=2\n")
+    return root
+
+
+@pytest.fixture
+def sweep(tmp_path: Path) -> Path:
+    return _build_sweep(tmp_path / "multirun")
+
+
+@pytest.fixture(scope="module")
+def reported(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    """One write_report on the sweep, shared by the read-only tests (plots are the slow part)."""
+    root = _build_sweep(tmp_path_factory.mktemp("shared") / "multirun")
+    return root, write_report(root)
+
+
+# --------------------------------------------------------------------------------------------------
+# results.csv, per-setting statistics, failures
+
+
+def test_results_csv_rows_and_values(reported: tuple[Path, dict]) -> None:
+    res = reported[1]
+    df = pd.read_csv(res["results_csv"])
+    assert len(df) == 9
+    assert list(df.columns[:12]) == ["member", "overrides", "setting", "seed", "params", "best_val_acc",
+                                     "test_acc", "epochs", "wall_time_s", "tokens_per_s", "status", "error"]
+    row = df[df["member"] == "grp/heads=8,seed=1"].iloc[0]
+    assert row["overrides"] == "heads=8 seed=1"
+    assert row["setting"] == "heads=8"
+    assert row["seed"] == 1
+    assert row["params"] == 8000
+    assert row["best_val_acc"] == pytest.approx(0.81)
+    assert row["test_acc"] == pytest.approx(0.61)
+    assert row["epochs"] == 3
+    assert row["wall_time_s"] == pytest.approx(201.0)
+    assert row["tokens_per_s"] == pytest.approx(16000.0)
+    assert row["status"] == "finished"
+    assert row["head_dim"] == pytest.approx(16.0)
+    assert row["ff_ratio"] == pytest.approx(4.0)
+    by_member = df.set_index("member")
+    assert by_member.loc["heads=16,seed=0", "status"] == "failed"
+    assert by_member.loc["heads=16,seed=0", "error"] == "RuntimeError: CUDA out of memory"
+    assert by_member.loc["heads=16,seed=1", "status"] == "running"
+    assert by_member.loc["heads=16,seed=2", "status"] == "missing"  # from .hydra/, no metrics.json
+    assert by_member.loc["heads=16,seed=2", "setting"] == "heads=16"
+    assert by_member.loc["heads=16,seed=2", "seed"] == 2
+    assert (df["setting"] == "heads=2").sum() == 3
+
+
+def test_summary_mean_std_over_seeds(sweep: Path) -> None:
+    df = collect_results(sweep)
+    s = summarize_settings(df).set_index("setting")
+    assert s.loc["heads=2", "n"] == 3
+    assert s.loc["heads=2", "best_val_acc_mean"] == pytest.approx(0.72)
+    assert s.loc["heads=2", "best_val_acc_std"] == pytest.approx(0.02)  # ddof=1
+    assert s.loc["heads=2", "test_acc_mean"] == pytest.approx(0.91)
+    assert s.loc["heads=2", "test_acc_std"] == pytest.approx(0.01)
+    assert s.loc["heads=8", "best_val_acc_mean"] == pytest.approx(0.81)
+    assert s.loc["heads=8", "best_val_acc_std"] == pytest.approx(0.01)
+    assert s.loc["heads=8", "wall_time_mean"] == pytest.approx(201.0)
+    assert s.loc["heads=16", "n"] == 0
+    assert s.loc["heads=16", "n_failed"] == 3
+    assert math.isnan(s.loc["heads=16", "best_val_acc_mean"])
+
+
+def test_best_setting_by_val_never_by_test(reported: tuple[Path, dict]) -> None:
+    sweep, res = reported
+    assert res["best_setting"]["setting"] == "heads=8"  # heads=2 has the better test acc
+    assert res["best_setting"]["mean"] == pytest.approx(0.81)
+    assert res["best_setting"]["n"] == 3
+    md = res["report_md"].read_text()
+    assert "| **heads=8** | 3 | 81.00 ± 1.00 | 61.00 ± 1.00 | 201 | 8,000 | 0 |" in md
+    assert "| heads=2 | 3 | 72.00 ± 2.00 | 91.00 ± 1.00 | 101 | 2,000 | 0 |" in md
+    with pytest.raises(ValueError, match="test metric"):
+        write_report(sweep, metric="test/acc")
+
+
+def test_monitored_loss_metric_is_minimised(sweep: Path) -> None:
+    # val/loss: best from metrics.json is 0.45 everywhere, so override it in two members' best
+    for s, loss in ((0, 0.30), (1, 0.32), (2, 0.34)):
+        p = sweep / f"heads=2,seed={s}" / "metrics.json"
+        rec = json.loads(p.read_text())
+        rec["best"]["val/loss"] = loss
+        p.write_text(json.dumps(rec))
+    res = write_report(sweep, metric="val/loss")
+    assert res["best_setting"]["setting"] == "heads=2"
+    assert res["best_setting"]["mean"] == pytest.approx(0.32)
+
+
+def test_failed_members_listed_with_reasons(reported: tuple[Path, dict]) -> None:
+    res = reported[1]
+    assert res["n_members"] == 9
+    assert res["n_finished"] == 6
+    assert {f["member"]: f["status"] for f in res["failed"]} == {
+        "heads=16,seed=0": "failed", "heads=16,seed=1": "running", "heads=16,seed=2": "missing"}
+    md = res["report_md"].read_text()
+    failed = md.split("## Failed members")[1].split("## Plots")[0]
+    assert "| heads=16,seed=0 | heads=16 | 0 | failed | RuntimeError: CUDA out of memory |" in failed
+    assert "| heads=16,seed=1 | heads=16 | 1 | running | still running, or killed before it could record an error |" in failed
+    assert "heads=16,seed=2" in failed and "no metrics.json" in failed
+    assert "heads=2,seed" not in failed
+
+
+def test_report_states_scale_and_links_plots(reported: tuple[Path, dict]) -> None:
+    md = reported[1]["report_md"].read_text()
+    scale = md.split("## Scale measured")[1].split("##")[0]
+    assert "data set: sst2" in scale
+    assert "embed dim: 128;" in scale
+    assert "heads: 2, 8, 16" in scale
+    assert "layers: 2" in scale
+    assert "run 3–3" in scale
+    assert "device: cpu" in scale
+    for name in ("val_loss_curves.png", "acc_vs_swept.png", "acc_vs_wall_time.png"):
+        assert f"]({name})" in md
+
+
+def test_plots_are_real_pngs(reported: tuple[Path, dict]) -> None:
+    sweep, res = reported
+    assert set(res["plots"]) == {"val_loss", "acc_vs_swept", "acc_vs_wall_time"}
+    for path in res["plots"].values():
+        assert path.parent == sweep.resolve()
+        data = path.read_bytes()
+        assert data[:8] == PNG_MAGIC
+        assert len(data) > 5000
+
+
+def test_val_curve_drops_post_fit_evaluation_rows(tmp_path: Path) -> None:
+    _lightning_csv(tmp_path / "m.csv", 0.8, epochs=3)
+    v = training_val_rows(pd.read_csv(tmp_path / "m.csv"), epochs=3)
+    assert v["epoch"].tolist() == [0, 1, 2]
+    assert v["val/loss"].tolist() == pytest.approx([0.6, 0.55, 0.5])
+
+
+def test_best_falls_back_on_metrics_csv(tmp_path: Path) -> None:
+    d = _member(tmp_path / "mr", "0", 4, 0, 0.77, 0.7)
+    rec = json.loads((d / "metrics.json").read_text())
+    del rec["best"]
+    (d / "metrics.json").write_text(json.dumps(rec))
+    df = collect_results(tmp_path / "mr")
+    assert df.loc[0, "best_val_acc"] == pytest.approx(0.77)  # max of val/acc in metrics.csv
+
+
+def test_broken_members_do_not_break_the_report(tmp_path: Path) -> None:
+    root = tmp_path / "mr"
+    for name, text in (("0", '{"status": "fini'), ("1", json.dumps({"status": "failed", "error": "ValueError: x\ny"})),
+                       ("2", "{}")):
+        (root / name).mkdir(parents=True)
+        (root / name / "metrics.json").write_text(text)
+    res = write_report(root)
+    assert res["best_setting"] is None
+    assert res["n_finished"] == 0
+    assert [(f["member"], f["status"]) for f in res["failed"]] == [("0", "unreadable"), ("1", "failed"),
+                                                                   ("2", "unknown")]
+    assert res["failed"][0]["error"].startswith("cannot parse metrics.json")
+    assert res["failed"][1]["error"] == "ValueError: x"  # one line
+    assert res["failed"][2]["error"] is None
+    assert "No finished member" in res["report_md"].read_text()
+    assert all(p.read_bytes()[:8] == PNG_MAGIC for p in res["plots"].values())
+
+
+# --------------------------------------------------------------------------------------------------
+# verdict logic on synthetic tables
+
+# per claim: the config columns of the claimed group and of one alternative
+CLAIMS = {
+    "head_dim_min_64": ({"dim": 128, "heads": 2}, {"dim": 128, "heads": 8}),  # head_dim 64 vs 16
+    "heads_8_or_16": ({"dim": 512, "heads": 8}, {"dim": 512, "heads": 4}),  # head_dim 64 vs 128
+    "ff_4x": ({"ff_dim": 4 * 128}, {"ff_dim": 2 * 128}),
+    "dropout_0.1": ({"dropout": 0.1}, {"dropout": 0.3}),
+    "wider_dim": ({"dim": 256, "heads": 2, "ff_dim": 1024}, {"dim": 128, "heads": 2, "ff_dim": 512}),
+}
+BASE = {"dim": 128, "heads": 2, "ff_dim": 512, "dropout": 0.1}
+
+
+def _table(groups: list[tuple[dict, list[float]]], statuses: dict[int, str] | None = None) -> pd.DataFrame:
+    rows = []
+    for cfg, values in groups:
+        for seed, v in enumerate(values):
+            rows.append({**BASE, **cfg, "seed": seed, "monitored": v, "status": "finished"})
+    df = pd.DataFrame(rows)
+    for i, st in (statuses or {}).items():
+        df.loc[i, "status"] = st
+    return df
+
+
+def _verdict(df: pd.DataFrame, key: str, metric: str = "val/acc"):
+    return {v.key: v for v in compute_verdicts(df, metric)}[key]
+
+
+SCENARIOS = {
+    # name: (claimed values, alternative values, verdict, effect)
+    "clearly_supported": ([0.85, 0.86, 0.84], [0.80, 0.81, 0.79], SUPPORTED, 0.05),
+    "clearly_not_supported": ([0.80, 0.81, 0.79], [0.85, 0.86, 0.84], NOT_SUPPORTED, -0.05),
+    "within_noise": ([0.85, 0.80, 0.90], [0.84, 0.79, 0.89], INCONCLUSIVE, 0.01),
+    "single_seed": ([0.90], [0.80], INCONCLUSIVE, 0.10),
+}
+
+
+@pytest.mark.parametrize("claim", list(CLAIMS))
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_verdicts_known_answers(claim: str, scenario: str) -> None:
+    claimed_cfg, alt_cfg = CLAIMS[claim]
+    c_vals, a_vals, expected, effect = SCENARIOS[scenario]
+    v = _verdict(_table([(claimed_cfg, c_vals), (alt_cfg, a_vals)]), claim)
+    assert v.covered
+    assert v.verdict == expected
+    assert v.effect == pytest.approx(effect)
+    if scenario == "single_seed":
+        assert "fewer than 2 seeds" in v.reason
+        assert math.isnan(v.threshold)
+    else:
+        se = math.sqrt(np.var(c_vals, ddof=1) / len(c_vals) + np.var(a_vals, ddof=1) / len(a_vals))
+        assert v.se == pytest.approx(se)
+        assert v.threshold == pytest.approx(2 * se)
+        assert v.spread == pytest.approx(math.sqrt((np.var(c_vals, ddof=1) + np.var(a_vals, ddof=1)) / 2))
+        assert v.claimed.n == 3 and v.alternative.n == 3
+
+
+def test_verdict_threshold_numbers() -> None:
+    # effect 0.05, SE = sqrt(2 * 0.01**2 / 3) = 0.008165, threshold 0.01633
+    v = _verdict(_table([({"heads": 8}, [0.85, 0.86, 0.84]), ({"heads": 4}, [0.80, 0.81, 0.79])]), "heads_8_or_16")
+    assert v.se == pytest.approx(0.0081650, rel=1e-4)
+    assert v.threshold == pytest.approx(0.0163299, rel=1e-4)
+    assert v.spread == pytest.approx(0.01)
+    # an effect just under 2 SE is inconclusive, just over is supported
+    v = _verdict(_table([({"heads": 8}, [0.815, 0.825, 0.805]), ({"heads": 4}, [0.80, 0.81, 0.79])]),
+                 "heads_8_or_16")
+    assert v.effect == pytest.approx(0.015) and v.verdict == INCONCLUSIVE
+    v = _verdict(_table([({"heads": 8}, [0.818, 0.828, 0.808]), ({"heads": 4}, [0.80, 0.81, 0.79])]),
+                 "heads_8_or_16")
+    assert v.effect == pytest.approx(0.018) and v.verdict == SUPPORTED
+
+
+def test_verdict_compares_against_best_alternative_and_pools_8_16() -> None:
+    df = _table([({"heads": 1}, [0.70, 0.71, 0.72]), ({"heads": 4}, [0.84, 0.85, 0.86]),
+                 ({"heads": 8}, [0.80, 0.81, 0.82]), ({"heads": 16}, [0.82, 0.83, 0.84])])
+    v = _verdict(df, "heads_8_or_16")
+    assert v.claimed.n == 6 and v.claimed.mean == pytest.approx(0.82)
+    assert v.alternative.label == "heads=4"
+    assert v.effect == pytest.approx(0.82 - 0.85)
+    assert {g.label for g in v.others} == {"heads=1", "heads=4"}
+
+
+def test_verdict_ignores_unfinished_members() -> None:
+    # the two 0.99 values belong to failed/running members and must not count
+    df = _table([({"dropout": 0.1}, [0.80, 0.81, 0.79, 0.99]), ({"dropout": 0.3}, [0.85, 0.86, 0.84, 0.99])],
+                statuses={3: "failed", 7: "running"})
+    v = _verdict(df, "dropout_0.1")
+    assert v.claimed.n == 3 and v.alternative.n == 3
+    assert v.effect == pytest.approx(-0.05)
+    assert v.verdict == NOT_SUPPORTED
+
+
+def test_verdict_for_loss_metric_flips_sign() -> None:
+    df = _table([({"dropout": 0.1}, [0.30, 0.31, 0.29]), ({"dropout": 0.0}, [0.40, 0.41, 0.39])])
+    v = _verdict(df, "dropout_0.1", metric="val/loss")
+    assert v.effect == pytest.approx(0.10)  # lower loss for the claimed group = better
+    assert v.verdict == SUPPORTED
+
+
+def test_wider_compares_widest_with_best_narrower() -> None:
+    df = _table([({"dim": 128}, [0.70, 0.71, 0.72]), ({"dim": 256}, [0.80, 0.81, 0.82]),
+                 ({"dim": 512, "ff_dim": 2048}, [0.80, 0.82, 0.81])])
+    v = _verdict(df, "wider_dim")
+    assert v.claimed.label == "widest dim=512"
+    assert v.alternative.label == "dim=256"
+    assert v.effect == pytest.approx(0.0)
+    assert v.verdict == INCONCLUSIVE
+
+
+def test_coverage_rules() -> None:
+    # one setting only: nothing covered
+    vs = compute_verdicts(_table([({}, [0.8, 0.81])]))
+    assert {v.verdict for v in vs} == {NOT_COVERED}
+    # heads 1, 2, 4 at dim 128: head_dim 128/64/32 covered; no 8 or 16 -> heads claim not covered
+    df = _table([({"heads": 1}, [0.8, 0.8]), ({"heads": 2}, [0.8, 0.8]), ({"heads": 4}, [0.8, 0.8])])
+    by = {v.key: v for v in compute_verdicts(df)}
+    assert by["head_dim_min_64"].covered and not by["heads_8_or_16"].covered
+    assert by["heads_8_or_16"].verdict == NOT_COVERED
+    assert by["head_dim_min_64"].also_varies == ["heads"]
+    # heads 8 and 16 only: no alternative to the claim -> not covered
+    df = _table([({"heads": 8}, [0.8, 0.8]), ({"heads": 16}, [0.8, 0.8])])
+    assert _verdict(df, "heads_8_or_16").verdict == NOT_COVERED
+    # dropout varies but never 0.1 -> not covered
+    df = _table([({"dropout": 0.0}, [0.8, 0.8]), ({"dropout": 0.3}, [0.8, 0.8])])
+    assert _verdict(df, "dropout_0.1").verdict == NOT_COVERED
+    # claimed group covered by the sweep but every member of it failed -> inconclusive
+    df = _table([({"dropout": 0.1}, [0.8, 0.8]), ({"dropout": 0.3}, [0.8, 0.8])], statuses={0: "failed", 1: "failed"})
+    v = _verdict(df, "dropout_0.1")
+    assert v.verdict == INCONCLUSIVE and "no finished runs" in v.reason
+
+
+def test_verdicts_end_to_end(reported: tuple[Path, dict]) -> None:
+    res = reported[1]
+    by = {v["key"]: v for v in res["verdicts"]}
+    assert res["verdict_by_claim"] == {"head_dim_min_64": NOT_SUPPORTED, "heads_8_or_16": SUPPORTED,
+                                       "ff_4x": NOT_COVERED, "dropout_0.1": NOT_COVERED,
+                                       "wider_dim": NOT_COVERED}
+    assert by["heads_8_or_16"]["effect"] == pytest.approx(0.09)
+    assert by["head_dim_min_64"]["effect"] == pytest.approx(-0.09)
+    md = res["report_md"].read_text()
+    assert "| 8 or 16 heads | **supported** | heads in {8,16}: 81.00 ± 1.00 (n=3, seeds=3) | " \
+           "heads=2: 72.00 ± 2.00 (n=3, seeds=3) | +9.00 | 2.58 |" in md
+    assert "effect > 2·SE" in md  # the rule is stated
+
+
+# --------------------------------------------------------------------------------------------------
+# Hydra callback
+
+
+def test_callback_writes_report_into_sweep_dir(sweep: Path) -> None:
+    cb = ReportCallback()
+    cb.on_multirun_end(OmegaConf.create({"hydra": {"sweep": {"dir": str(sweep)}}}))
+    assert (sweep / "report.md").is_file()
+    assert (sweep / "results.csv").is_file()
+    assert cb.last_result["best_setting"]["setting"] == "heads=8"
+
+
+def test_callback_swallows_errors(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    cb = ReportCallback()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    with caplog.at_level(logging.ERROR, logger="mhalab.hydra_callbacks"):
+        cb.on_multirun_end(OmegaConf.create({"hydra": {"sweep": {"dir": str(empty)}}}))
+        cb.on_multirun_end(OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path / "missing")}}}))
+        cb.on_multirun_end(OmegaConf.create({"hydra": {"sweep": {"dir": str(a_file)}}}))
+        cb.on_multirun_end(OmegaConf.create({}))  # no hydra.sweep.dir at all
+    assert cb.last_result is None
+    assert len([r for r in caplog.records if "sweep report" in r.getMessage()]) == 4
+    assert not (empty / "report.md").exists()
+
+
+def test_callback_in_a_real_hydra_multirun(tmp_path: Path) -> None:
+    """-m with ReportCallback in hydra.callbacks: the report lands in the (timestamped) sweep dir."""
+    (tmp_path / "conf.yaml").write_text(
+        "heads: 4\nseed: 0\n"
+        "hydra:\n"
+        "  sweep:\n"
+        "    dir: multirun/${now:%Y-%m-%d_%H-%M-%S-%f}\n"
+        "    subdir: ${hydra.job.override_dirname}\n"
+        "  callbacks:\n"
+        "    report:\n"
+        "      _target_: mhalab.hydra_callbacks.ReportCallback\n")
+    (tmp_path / "app.py").write_text(
+        "import json, hydra\n"
+        "from pathlib import Path\n"
+        "from hydra.core.hydra_config import HydraConfig\n"
+        "from omegaconf import OmegaConf\n"
+        "@hydra.main(version_base='1.3', config_path='.', config_name='conf')\n"
+        "def main(cfg):\n"
+        "    out = Path(HydraConfig.get().runtime.output_dir)\n"
+        "    acc = 0.7 + 0.01 * cfg.heads + 0.001 * cfg.seed\n"
+        "    rec = {'status': 'finished', 'overrides': list(HydraConfig.get().overrides.task),\n"
+        "           'seed': cfg.seed, 'config': {'heads': cfg.heads, 'dim': 128}, 'wall_time_s': 1.0,\n"
+        "           'best': {'val/acc': acc}, 'final': {'test/acc': acc}}\n"
+        "    (out / 'metrics.json').write_text(json.dumps(rec))\n"
+        "if __name__ == '__main__':\n"
+        "    main()\n")
+    env = {**os.environ, "MPLBACKEND": "Agg"}
+    p = subprocess.run([sys.executable, "app.py", "-m", "heads=2,8", "seed=0,1"], check=False, cwd=tmp_path,
+                       env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    reports = list((tmp_path / "multirun").glob("*/report.md"))
+    assert len(reports) == 1, p.stderr
+    df = pd.read_csv(reports[0].parent / "results.csv")
+    assert len(df) == 4
+    assert sorted(df["setting"].unique()) == ["heads=2", "heads=8"]
+    assert "sweep report:" in p.stderr + p.stdout
+
+
+# --------------------------------------------------------------------------------------------------
+# CLI
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(REPO / "scripts" / "report.py"), *args], check=False,
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "MPLBACKEND": "Agg"})
+
+
+def test_cli_writes_report(sweep: Path) -> None:
+    p = _cli(str(sweep))
+    assert p.returncode == 0, p.stderr
+    assert "best by val/acc: heads=8" in p.stdout
+    assert "8 or 16 heads: supported" in p.stdout
+    for name in ("results.csv", "report.md", "val_loss_curves.png", "acc_vs_swept.png", "acc_vs_wall_time.png"):
+        assert (sweep / name).is_file()
+
+
+def test_cli_fails_clearly_without_metrics(tmp_path: Path) -> None:
+    (tmp_path / "0").mkdir()
+    p = _cli(str(tmp_path))
+    assert p.returncode == 2
+    assert "no metrics.json found" in p.stderr
+    assert not (tmp_path / "report.md").exists()
+    with pytest.raises(NoMembersError):
+        write_report(tmp_path)
