@@ -51,6 +51,7 @@ class Classifier(L.LightningModule):
         self.val_metrics = metrics.clone(prefix="val/")
         self.test_metrics = metrics.clone(prefix="test/")
         self._t_last: float | None = None
+        self.token_counts = torch.zeros(2, dtype=torch.long)  # (real tokens, pad tokens) trained on
         self.extra_checkpoint: dict = {}  # tokenizer and data settings, written into every checkpoint
 
     def forward(self, input_ids, padding_mask=None):
@@ -67,6 +68,9 @@ class Classifier(L.LightningModule):
             )
         pad = batch["padding_mask"]
         real = (~pad).sum()
+        if self.token_counts.device != pad.device:
+            self.token_counts = self.token_counts.to(pad.device)
+        self.token_counts += torch.stack([real, pad.sum()])  # stays on device: no sync per step
         self.log("train/loss", loss, prog_bar=True)
         self.log("train/pad_frac", pad.float().mean())
         now = time.perf_counter()

@@ -132,12 +132,12 @@ def _fit_and_test(cfg: DictConfig, out: Path, record: dict) -> tuple[L.Trainer, 
         test_res = trainer.test(module, datamodule=dm, ckpt_path=best_path, verbose=False)[0]
         final.update({k: float(v) for k, v in test_res.items()})
         best["checkpoint"] = best_path
-    epoch = trainer.current_epoch
-    tokens = dm.train_token_count() * (trainer.current_epoch or 1)
+    real, pads = (int(x) for x in module.token_counts.cpu() * trainer.world_size)
     record.update(
-        params=params, epochs=epoch, global_step=trainer.global_step, best=best, final=final,
-        fit_time_s=fit_s, tokens_per_s=tokens / fit_s if fit_s > 0 else math.nan,
-        padding_fraction=dm.padding_fraction("train"),
+        params=params, epochs=trainer.current_epoch, global_step=trainer.global_step, best=best, final=final,
+        fit_time_s=fit_s, train_tokens=real,
+        tokens_per_s=real / fit_s if fit_s > 0 else math.nan,  # real (non-pad) tokens per second of fit()
+        padding_fraction=pads / max(1, real + pads),
         device=str(trainer.strategy.root_device),
         device_name=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
     )
