@@ -2,7 +2,7 @@
 
 Every run writes into its own Hydra output dir:
   metrics.json      status, final and best metrics, params, wall time, throughput, the resolved config
-  metrics.csv       Lightning's CSV log (train/loss per step, val/* per epoch, lr)
+  logs/metrics.csv  Lightning's CSV log (train/loss per step, val/* per epoch, lr)
   loss_curves.png   train and val loss and val acc, drawn from metrics.csv
   checkpoints/      best (by val/acc) and last
 """
@@ -66,8 +66,10 @@ def run(cfg: DictConfig) -> float:
         trainer, module = _fit_and_test(cfg, out, record)
     except BaseException as e:  # SystemExit and KeyboardInterrupt too: the record must not say "running"
         interrupted = isinstance(e, (KeyboardInterrupt, SystemExit))
-        record.update(status="interrupted" if interrupted else "failed",
-                      error=f"{type(e).__name__}: {e}".splitlines()[0], wall_time_s=time.time() - t0)
+        reason = (f"interrupted ({type(e).__name__}); resume with ckpt_path={out}" if interrupted
+                  else f"{type(e).__name__}: {e}".splitlines()[0])
+        record.update(status="interrupted" if interrupted else "failed", error=reason,
+                      wall_time_s=time.time() - t0)
         _write_json(metrics_path, record)
         if _is_multirun() and not interrupted:  # one failed member must not end the sweep
             log.error("run failed: %s", record["error"])
@@ -78,8 +80,8 @@ def run(cfg: DictConfig) -> float:
         _write_json(metrics_path, record)
         from mhalab.plots import loss_curves
 
-        if (out / "metrics.csv").exists():
-            loss_curves(out / "metrics.csv", out / "loss_curves.png")
+        if (out / "logs" / "metrics.csv").exists():
+            loss_curves(out / "logs" / "metrics.csv", out / "loss_curves.png")
     return float(record.get("best", {}).get("val/acc", float("nan")))
 
 
