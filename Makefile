@@ -35,6 +35,16 @@ compare: $(STAMP)        ## our attention and encoder vs PyTorch's, weights copi
 bench: $(STAMP)          ## speed and memory vs the official modules
 	$(BIN)/python scripts/bench.py $(ARGS)
 
+SWEEPS ?= heads head_dim ff_ratio dropout dim
+sweeps: $(STAMP)         ## the CPU sweep presets into multirun/<preset>; reports copied to results/sweeps/
+	@for s in $(SWEEPS); do \
+	  $(BIN)/python train.py sweep=$$s hydra.sweep.dir=multirun/$$s $(ARGS) || exit 1; \
+	  mkdir -p results/sweeps/$$s && cp multirun/$$s/report.md multirun/$$s/results.csv multirun/$$s/*.png results/sweeps/$$s/; \
+	done
+
+report: $(STAMP)         ## make report DIR=multirun/<sweep>
+	$(BIN)/python scripts/report.py $(DIR)
+
 lint: $(STAMP)
 	$(BIN)/ruff check src scripts tests train.py
 

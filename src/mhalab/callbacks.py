@@ -32,6 +32,17 @@ class SaveOnInterrupt(L.Callback):
                         trainer.global_step, path, path)
 
 
+def _numpy_state_to_safe(state: tuple) -> list:
+    # numpy arrays are refused by torch.load(weights_only=True), which Lightning uses: store a tensor
+    name, keys, pos, has_gauss, cached = state
+    return [name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)]
+
+
+def _numpy_state_from_safe(state: list) -> tuple:
+    name, keys, pos, has_gauss, cached = state
+    return name, keys.numpy().astype(np.uint32), pos, has_gauss, cached
+
+
 class ResumeState(L.Callback):
     """Save what Lightning does not: the RNG states (dropout masks depend on them).
 
@@ -47,7 +58,7 @@ class ResumeState(L.Callback):
         checkpoint["resume_state"] = {
             "torch": torch.get_rng_state(),
             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
-            "numpy": np.random.get_state(),
+            "numpy": _numpy_state_to_safe(np.random.get_state()),
             "python": random.getstate(),
         }
 
@@ -61,6 +72,6 @@ class ResumeState(L.Callback):
         torch.set_rng_state(st["torch"])
         if st["cuda"] is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(st["cuda"])
-        np.random.set_state(st["numpy"])
+        np.random.set_state(_numpy_state_from_safe(st["numpy"]))
         random.setstate(st["python"])
         self._pending = None

@@ -85,15 +85,13 @@ def run(cfg: DictConfig) -> float:
     return float(record.get("best", {}).get("val/acc", float("nan")))
 
 
-def _fit_and_test(cfg: DictConfig, out: Path, record: dict) -> tuple[L.Trainer, Classifier]:
+def build(cfg: DictConfig) -> tuple[L.LightningDataModule, Classifier]:
+    """Validate the config, then make the datamodule (data read, tokenizer ready) and the model."""
     validate(cfg)  # cheap checks before any data is read
-    ckpt_path = str(resolve_ckpt_path(str(cfg.ckpt_path))) if cfg.get("ckpt_path") else None
     L.seed_everything(int(cfg.seed), workers=True)
-
     dm = instantiate(cfg.data)
     dm.prepare_data()
     dm.setup("fit")
-
     module = Classifier(
         model=OmegaConf.to_container(cfg.model, resolve=True), vocab_size=dm.vocab_size,
         num_classes=dm.num_classes, pad_id=dm.pad_id, compile=bool(cfg.compile),
@@ -103,6 +101,12 @@ def _fit_and_test(cfg: DictConfig, out: Path, record: dict) -> tuple[L.Trainer, 
         "tokenizer": dm.tokenizer_json(), "label_names": list(dm.label_names),
         "data": OmegaConf.to_container(cfg.data, resolve=True),
     }
+    return dm, module
+
+
+def _fit_and_test(cfg: DictConfig, out: Path, record: dict) -> tuple[L.Trainer, Classifier]:
+    ckpt_path = str(resolve_ckpt_path(str(cfg.ckpt_path))) if cfg.get("ckpt_path") else None
+    dm, module = build(cfg)
     params = sum(p.numel() for p in module.parameters())
 
     loggers = _loggers(cfg, ckpt_path)

@@ -1,0 +1,64 @@
+"""Shared fixtures: a tiny SST-2-shaped data dir, and the real configs composed with Hydra."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig, open_dict
+
+import mhalab.config  # noqa: F401  (registers the config resolvers)
+
+REPO = Path(__file__).resolve().parents[1]
+CONF = REPO / "conf"
+SHARED_DATA = REPO.parent / "shared" / "data"
+
+POS = "good great fine lovely superb moving".split()
+NEG = "bad awful dull boring weak clumsy".split()
+FILLER = "the film movie a plot actor story was is and it of".split()
+
+
+def _sentence(rng: random.Random, label: int) -> str:
+    words = rng.choices(FILLER, k=rng.randint(3, 12)) + rng.choices(POS if label else NEG, k=rng.randint(1, 3))
+    rng.shuffle(words)
+    return " ".join(words)
+
+
+def write_toy_sst2(root: Path, n_train: int = 400, n_dev: int = 64, n_test: int = 64, seed: int = 0) -> Path:
+    """An SST-2-shaped data dir (sst2/{train,dev,test}.tsv, `sentence<TAB>label`), learnable by word lookup."""
+    rng = random.Random(seed)
+    d = root / "sst2"
+    d.mkdir(parents=True, exist_ok=True)
+    for name, n in (("train", n_train), ("dev", n_dev), ("test", n_test)):
+        rows = ["sentence\tlabel"]
+        for i in range(n):
+            label = i % 2
+            rows.append(f"{_sentence(rng, label)}\t{label}")
+        (d / f"{name}.tsv").write_text("\n".join(rows) + "\n")
+    return root
+
+
+@pytest.fixture(scope="session")
+def toy_data_dir(tmp_path_factory) -> Path:
+    return write_toy_sst2(tmp_path_factory.mktemp("data"))
+
+
+def compose_train(overrides: list[str], out: Path, data_dir: Path | None = None, cache: Path | None = None
+                  ) -> DictConfig:
+    """The real conf/train.yaml with overrides, outputs in `out`, small and CPU-only by default."""
+    base = [
+        f"paths.output_dir={out}", "trainer.accelerator=cpu", "trainer.precision=32-true",
+        "trainer.enable_progress_bar=false", "callbacks.progress_bar=null", "dim=32", "heads=4", "layers=1",
+        "batch_size=32", "max_len=32", "data.vocab_size=200", "data.min_frequency=1",
+    ]
+    if data_dir is not None:
+        base.append(f"paths.data_dir={data_dir}")
+    if cache is not None:
+        base.append(f"paths.cache_dir={cache}")
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose("train", overrides=base + overrides)
+    with open_dict(cfg):
+        cfg.pop("hydra", None)
+    return cfg
