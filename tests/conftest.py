@@ -45,14 +45,16 @@ def toy_data_dir(tmp_path_factory) -> Path:
     return write_toy_sst2(tmp_path_factory.mktemp("data"))
 
 
-def compose_train(overrides: list[str], out: Path, data_dir: Path | None = None, cache: Path | None = None
-                  ) -> DictConfig:
+def compose_train(overrides: list[str], out: Path, data_dir: Path | None = None, cache: Path | None = None,
+                  small_vocab: bool = True) -> DictConfig:
     """The real conf/train.yaml with overrides, outputs in `out`, small and CPU-only by default."""
     base = [
         f"paths.output_dir={out}", "trainer.accelerator=cpu", "trainer.precision=32-true",
-        "trainer.enable_progress_bar=false", "callbacks.progress_bar=null", "dim=32", "heads=4", "layers=1",
-        "batch_size=32", "max_len=32", "data.vocab_size=200", "data.min_frequency=1",
+        "trainer.enable_progress_bar=false", "trainer.log_every_n_steps=5", "callbacks.progress_bar=null", "dim=32", "heads=4", "layers=1",
+        "batch_size=32", "max_len=32",
     ]
+    if small_vocab:  # the toy data has ~30 words
+        base += ["data.vocab_size=200", "data.min_frequency=1"]
     if data_dir is not None:
         base.append(f"paths.data_dir={data_dir}")
     if cache is not None:

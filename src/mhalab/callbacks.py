@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import random
 from pathlib import Path
 
@@ -75,3 +77,14 @@ class ResumeState(L.Callback):
         np.random.set_state(_numpy_state_from_safe(st["numpy"]))
         random.setstate(st["python"])
         self._pending = None
+
+
+class SimulatePreemption(L.Callback):
+    """Send this process SIGTERM after global step `at_step`, as a cluster pre-emption would (debug=preempt)."""
+
+    def __init__(self, at_step: int):
+        self.at_step = at_step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.at_step and trainer.is_global_zero:
+            os.kill(os.getpid(), signal.SIGTERM)

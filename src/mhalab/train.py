@@ -21,6 +21,7 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from hydra.utils import instantiate
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 
 from mhalab.callbacks import ResumeState, SaveOnInterrupt
@@ -74,6 +75,8 @@ def run(cfg: DictConfig) -> float:
         if _is_multirun() and not interrupted:  # one failed member must not end the sweep
             log.error("run failed: %s", record["error"])
             return float("nan")
+        if isinstance(e, SIGTERMException):
+            raise SystemExit(143) from e  # 128 + SIGTERM, as if the signal had killed us (schedulers requeue)
         raise
     if trainer.is_global_zero:
         record.update(status="finished", wall_time_s=time.time() - t0)
@@ -97,9 +100,10 @@ def build(cfg: DictConfig) -> tuple[L.LightningDataModule, Classifier]:
         num_classes=dm.num_classes, pad_id=dm.pad_id, compile=bool(cfg.compile),
         **OmegaConf.to_container(cfg.optim, resolve=True),
     )
+    # the datamodule's state_dict (tokenizer, label names, sampler position) is saved by Lightning
+    # under its class name; record where, with the data config, so a checkpoint is self-contained
     module.extra_checkpoint = {
-        "tokenizer": dm.tokenizer_json(), "label_names": list(dm.label_names),
-        "data": OmegaConf.to_container(cfg.data, resolve=True),
+        "datamodule_key": type(dm).__qualname__, "data": OmegaConf.to_container(cfg.data, resolve=True),
     }
     return dm, module
 

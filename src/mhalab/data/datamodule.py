@@ -1,0 +1,403 @@
+"""TextClassificationDataModule: files (or the Hub) -> checked rows -> tokenizer -> cached ids -> batches.
+
+Configured entirely by plain arguments, so Hydra builds it from a YAML with `_target_`. The work:
+  validate()      cheap: arguments, data directory, files, header columns (nothing loaded yet);
+  prepare_data()  read splits with HF `datasets`, check rows, hold out a dev split if asked, train
+                  the tokenizer on train only, encode every split; tokenizer and ids are cached on
+                  disk under a hash of the data files (size, mtime) and every setting that changes
+                  them, so a second run (and every DDP rank) only loads;
+  setup()         load tokenizer and ids from the cache, log counts and padding statistics.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import logging
+import os
+import time
+from collections import Counter
+from pathlib import Path
+
+import lightning as L
+import torch
+from tokenizers import Tokenizer
+from torch.utils.data import DataLoader
+
+from mhalab.data.collate import Collate, EncodedSplit
+from mhalab.data.holdout import stratified_holdout
+from mhalab.data.reading import (
+    DATA_DIR_ENV,
+    FORMATS,
+    check_columns,
+    check_files,
+    clean_rows,
+    load_table,
+    read_columns,
+    resolve_data_dir,
+)
+from mhalab.data.sampler import LengthBatchSampler
+from mhalab.data.tokenizer import (
+    CLS_ID,
+    KINDS,
+    PAD_ID,
+    SPECIALS,
+    encode_texts,
+    load_tokenizer,
+    min_vocab_size,
+    train_tokenizer,
+)
+
+log = logging.getLogger(__name__)
+
+CACHE_DIR_ENV = "MHALAB_CACHE_DIR"
+CACHE_VERSION = 1  # bump when the cached format or the encoding recipe changes
+SPLITS = ("train", "validation", "test")
+
+
+def _hash(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _write_atomic(path: Path, write) -> None:
+    """Write via a temp file + rename, so a crash or a concurrent reader never sees half a file."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    write(tmp)
+    os.replace(tmp, path)
+
+
+class TextClassificationDataModule(L.LightningDataModule):
+    """Source: `files` maps 'train' (required), 'validation', 'test' to paths relative to `data_dir`
+    (else $MHALAB_DATA_DIR), read as `format` csv (with `delimiter`, `quoting`: 3 = csv.QUOTE_NONE),
+    json (JSON lines, .gz too) or parquet. With no data directory at all, `hub` = {path, name,
+    revision, splits: {our split: hub split}} loads through datasets.load_dataset; then only the keys
+    of `files` matter. Labels: ints 0..num_classes-1, or strings mapped to their index in `label_names`.
+    No validation file: `dev_split` holds out a seeded stratified fraction of train.
+
+    After setup(): `.tokenizer`, `.vocab_size`, `.pad_id`, `.cls_id`, `.num_classes`, `.label_names`,
+    `.splits` (EncodedSplit per split), `.tokenizer_json()`. Train under Lightning with
+    `use_distributed_sampler=False`: the batch sampler shards across ranks itself.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        files: dict[str, str],
+        text_column: str = "text",
+        label_column: str = "label",
+        num_classes: int | None = None,
+        label_names: list[str] | None = None,
+        data_dir: str | None = None,
+        format: str = "csv",
+        delimiter: str = ",",
+        quoting: int = 0,
+        hub: dict | None = None,
+        dev_split: float | None = None,
+        seed: int = 42,
+        tokenizer_kind: str = "wordpiece",
+        vocab_size: int = 8000,
+        lowercase: bool = True,
+        min_frequency: int = 2,
+        cache_dir: str | None = None,
+        max_len: int = 128,
+        batch_size: int = 32,
+        eval_batch_size: int | None = None,
+        bucketing: bool = True,
+        bucket_batches: int = 50,
+        fixed_len: bool = False,
+        drop_last: bool = False,
+        num_workers: int = 0,
+        pin_memory: bool | None = None,
+        on_bad_rows: str = "error",
+    ):
+        super().__init__()
+        # Hydra hands over DictConfig / ListConfig: make them plain so they hash and pickle simply.
+        self.name, self.files = name, {str(k): str(v) for k, v in dict(files).items()}
+        self.text_column, self.label_column = text_column, label_column
+        self.data_dir, self.format, self.delimiter, self.quoting = data_dir, format, delimiter, quoting
+        self.hub = {k: (dict(v) if hasattr(v, "items") else v) for k, v in dict(hub).items()} if hub else None
+        self.dev_split, self.seed = dev_split, seed
+        self.tokenizer_kind, self.target_vocab_size = tokenizer_kind, vocab_size
+        self.lowercase, self.min_frequency = lowercase, min_frequency
+        self.max_len, self.batch_size = max_len, batch_size
+        self.eval_batch_size = eval_batch_size or batch_size
+        self.bucketing, self.bucket_batches, self.fixed_len, self.drop_last = bucketing, bucket_batches, fixed_len, drop_last
+        self.num_workers = num_workers
+        self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
+        self.on_bad_rows = on_bad_rows
+        self._check_arguments(num_classes, label_names)
+        self.num_classes = num_classes if num_classes is not None else len(label_names)
+        self.label_names = [str(n) for n in label_names] if label_names else [str(i) for i in range(self.num_classes)]
+        self._labels_are_names = bool(label_names)
+        cache_root = cache_dir or os.environ.get(CACHE_DIR_ENV) or "~/.cache/mhalab"
+        self.cache_root = Path(cache_root).expanduser()
+
+        self.tokenizer: Tokenizer | None = None
+        self.splits: dict[str, EncodedSplit] = {}
+        self.train_sampler: LengthBatchSampler | None = None
+        self._pending_sampler_state: dict | None = None
+        self._paths: dict[str, Path] | None = None
+
+    # ------------------------------------------------------------------ checks
+
+    def _check_arguments(self, num_classes, label_names) -> None:
+        """Pure argument checks, at construction: a bad config fails before anything is read."""
+        def bad(msg):
+            raise ValueError(f"data config '{self.name}': {msg}")
+
+        if self.format not in FORMATS:
+            bad(f"format='{self.format}' is not supported; choose one of {list(FORMATS)}.")
+        if "train" not in self.files or set(self.files) - set(SPLITS):
+            bad(f"files must map 'train' (and optionally 'validation', 'test') to files; got {sorted(self.files)}.")
+        if self.on_bad_rows not in ("error", "drop"):
+            bad(f"on_bad_rows='{self.on_bad_rows}' is not supported; choose 'error' or 'drop'.")
+        if self.tokenizer_kind not in KINDS:
+            bad(f"tokenizer_kind='{self.tokenizer_kind}' is not supported; choose one of {list(KINDS)}.")
+        if self.target_vocab_size < min_vocab_size(self.tokenizer_kind):
+            bad(f"vocab_size={self.target_vocab_size} is below the minimum {min_vocab_size(self.tokenizer_kind)} for "
+                f"tokenizer_kind={self.tokenizer_kind} ({len(SPECIALS)} special tokens {SPECIALS}"
+                f"{' + 256 byte symbols' if self.tokenizer_kind == 'bpe' else ' + at least one token'}); raise vocab_size.")
+        if self.max_len < 3:
+            bad(f"max_len={self.max_len} is too small: it must be >= 3 ([CLS], [SEP] and one token); raise max_len.")
+        if self.batch_size < 1 or self.eval_batch_size < 1:
+            bad(f"batch_size={self.batch_size} / eval_batch_size={self.eval_batch_size} must be >= 1.")
+        if label_names is None and num_classes is None:
+            bad("set num_classes (integer labels 0..num_classes-1) or label_names (string labels).")
+        if label_names is not None and num_classes is not None and len(label_names) != num_classes:
+            bad(f"num_classes={num_classes} but label_names has {len(label_names)} names {list(label_names)}.")
+        if self.dev_split is not None and not 0.0 < self.dev_split < 1.0:
+            bad(f"dev_split={self.dev_split} must be a fraction in (0, 1), e.g. 0.1, or null.")
+        if self.dev_split and "validation" in self.files:
+            bad(f"dev_split={self.dev_split} but files already has a validation split: set one or the other.")
+        if not self.dev_split and "validation" not in self.files:
+            bad("there is no validation split: add files.validation, or set dev_split (e.g. 0.1) to hold one out "
+                "of train (the test split is never used for model selection).")
+
+    def validate(self) -> None:
+        """Cheap checks of the source (data directory, files, header columns), before any loading."""
+        data_dir = resolve_data_dir(self.data_dir)
+        if data_dir is None:
+            if not self.hub:
+                raise FileNotFoundError(
+                    f"no data directory for '{self.name}': set data.data_dir=/path/to/data or the {DATA_DIR_ENV} "
+                    f"environment variable (or data.hub to load from the Hugging Face Hub)."
+                )
+            self._paths = None
+            return
+        self._paths = check_files(self.name, data_dir, self.files)
+        for split, path in self._paths.items():
+            columns = read_columns(path, self.format, self.delimiter, self.quoting)
+            check_columns(f"{self.name} {split} file '{path}'", columns,
+                          {"text_column": self.text_column, "label_column": self.label_column})
+
+    # ------------------------------------------------------------------ cache
+
+    def _cache_paths(self) -> tuple[Path, Path]:
+        """(tokenizer JSON, encoded-ids directory), named by hashes of everything they depend on."""
+        if self._paths is not None:
+            source = {s: [self.files[s], p.stat().st_size, p.stat().st_mtime_ns] for s, p in self._paths.items()}
+        else:
+            source = {"hub": self.hub, "files": self.files}
+        data = {
+            "version": CACHE_VERSION, "name": self.name, "source": source, "format": self.format, "delimiter": self.delimiter,
+            "quoting": self.quoting, "text": self.text_column, "label": self.label_column, "label_names": self.label_names,
+            "names": self._labels_are_names, "dev_split": self.dev_split, "seed": self.seed if self.dev_split else None,
+            "on_bad_rows": self.on_bad_rows,
+        }
+        tok = dict(data, kind=self.tokenizer_kind, lowercase=self.lowercase)
+        if self.tokenizer_kind != "bytes":
+            tok.update(vocab_size=self.target_vocab_size, min_frequency=self.min_frequency)
+        root = self.cache_root / self.name
+        return (root / f"tokenizer-{self.tokenizer_kind}-{_hash(tok)}.json",
+                root / f"encoded-{_hash(dict(tok, max_len=self.max_len))}")
+
+    @property
+    def tokenizer_path(self) -> Path:
+        self.validate()  # the cache key needs the files' size and mtime
+        return self._cache_paths()[0]
+
+    def _read_splits(self) -> dict[str, tuple[list[str], list[int]]]:
+        """Checked (texts, labels) of every split, with the dev hold-out applied."""
+        hf_cache = str(self.cache_root / "hf_datasets")
+        wanted = {"text_column": self.text_column, "label_column": self.label_column}
+        raw = {}
+        for split in self.files:
+            if self._paths is not None:
+                path = self._paths[split]
+                where = f"{self.name} file '{path}'"
+                columns = read_columns(path, self.format, self.delimiter, self.quoting)
+                table = load_table(path, self.format, self.delimiter, self.quoting, columns, hf_cache)
+            else:  # the online path: datasets.load_dataset(path, name) and its split names
+                import datasets
+
+                hub_split = self.hub.get("splits", {}).get(split, split)
+                where = f"hub data set {self.hub['path']}/{self.hub.get('name')} split '{hub_split}'"
+                table = datasets.load_dataset(self.hub["path"], self.hub.get("name"), split=hub_split,
+                                              revision=self.hub.get("revision"), cache_dir=hf_cache)
+                check_columns(where, table.column_names, wanted)
+            raw[split] = clean_rows(
+                table.data.column(self.text_column).to_pylist(), table.data.column(self.label_column).to_pylist(),
+                split=split, where=where, text_column=self.text_column, label_column=self.label_column,
+                label_names=self.label_names if self._labels_are_names else None, num_classes=self.num_classes,
+                on_bad_rows=self.on_bad_rows,
+            )
+        if self.dev_split:
+            texts, labels = raw["train"]
+            train_idx, dev_idx = stratified_holdout(labels, self.dev_split, self.seed)
+            if not dev_idx or not train_idx:
+                raise ValueError(f"dev_split={self.dev_split} of {len(labels)} train rows leaves an empty "
+                                 f"{'validation' if not dev_idx else 'train'} split; change dev_split.")
+            raw["validation"] = ([texts[i] for i in dev_idx], [labels[i] for i in dev_idx])
+            raw["train"] = ([texts[i] for i in train_idx], [labels[i] for i in train_idx])
+        return {split: raw[split] for split in SPLITS if split in raw}
+
+    def _build_cache(self) -> None:
+        """Create the cached tokenizer and encoded splits if they are not there yet."""
+        self.validate()
+        tok_path, enc_dir = self._cache_paths()
+        if (enc_dir / "meta.json").exists():
+            return
+        t0 = time.perf_counter()
+        raw = self._read_splits()
+        log.info("%s: read and checked %s rows in %.1fs", self.name,
+                 {s: len(t) for s, (t, _) in raw.items()}, time.perf_counter() - t0)
+        tok_path.parent.mkdir(parents=True, exist_ok=True)
+        if tok_path.exists():
+            tokenizer = Tokenizer.from_file(str(tok_path))
+        else:
+            t0 = time.perf_counter()
+            tokenizer = train_tokenizer(raw["train"][0], self.tokenizer_kind, self.target_vocab_size,
+                                        self.lowercase, self.min_frequency)
+            _write_atomic(tok_path, lambda p: p.write_text(tokenizer.to_str()))
+            log.info("%s: trained %s tokenizer (vocab %d) on %d train texts in %.1fs -> %s", self.name,
+                     self.tokenizer_kind, tokenizer.get_vocab_size(), len(raw["train"][0]), time.perf_counter() - t0,
+                     tok_path)
+        enc_dir.mkdir(parents=True, exist_ok=True)
+        t0 = time.perf_counter()
+        for split, (texts, labels) in raw.items():
+            encoded = EncodedSplit.from_lists(encode_texts(tokenizer, texts, self.max_len), labels)
+            _write_atomic(enc_dir / f"{split}.pt", functools.partial(torch.save, encoded.state()))
+        seconds = time.perf_counter() - t0
+        log.info("%s: encoded %d texts (max_len %d) in %.1fs -> %s", self.name,
+                 sum(len(t) for t, _ in raw.values()), self.max_len, seconds, enc_dir)
+        meta = {"splits": list(raw), "tokenizer": tok_path.name, "encode_seconds": seconds}
+        _write_atomic(enc_dir / "meta.json", lambda p: p.write_text(json.dumps(meta)))  # last: marks it complete
+
+    # ------------------------------------------------------------------ Lightning hooks
+
+    def prepare_data(self) -> None:
+        # Lightning runs this on one process per node, then setup() on every rank reads the cache.
+        self._build_cache()
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.splits:  # fit then test: already loaded
+            return
+        self._build_cache()  # a no-op when prepare_data() already built it
+        tok_path, enc_dir = self._cache_paths()
+        self.tokenizer = Tokenizer.from_file(str(tok_path))
+        meta = json.loads((enc_dir / "meta.json").read_text())
+        self.splits = {s: EncodedSplit(**torch.load(enc_dir / f"{s}.pt", weights_only=True)) for s in meta["splits"]}
+        self._log_statistics()
+
+    def _log_statistics(self) -> None:
+        for split, data in self.splits.items():
+            lengths = torch.tensor(data.lengths, dtype=torch.float)
+            counts = Counter(data.labels.tolist())
+            log.info("%s %s: %d examples, classes %s, tokens mean %.1f max %d, %.1f%% truncated to max_len=%d",
+                     self.name, split, len(data), {self.label_names[c]: counts[c] for c in sorted(counts)},
+                     lengths.mean(), lengths.max(), 100 * (lengths >= self.max_len).float().mean(), self.max_len)
+        pad_to = self.max_len if self.fixed_len else None
+        train = self._sampler("train", train=True).padding_fraction(0, pad_to)
+        val = self._sampler("validation", train=False).padding_fraction(0, pad_to)
+        log.info("%s padding fraction (batch %d, %s): train %.1f%% (epoch 0), validation %.1f%%", self.name,
+                 self.batch_size, "fixed max_len" if self.fixed_len else ("bucketed" if self.bucketing else "shuffled"),
+                 100 * train, 100 * val)
+
+    def _split(self, split: str) -> EncodedSplit:
+        if not self.splits:
+            raise RuntimeError(f"{self.name}: call prepare_data() and setup() before asking for data.")
+        if split not in self.splits:
+            raise ValueError(f"{self.name} has no '{split}' split; configured splits: {sorted(self.splits)}.")
+        return self.splits[split]
+
+    def _sampler(self, split: str, train: bool) -> LengthBatchSampler:
+        if train:
+            return LengthBatchSampler(self._split(split).lengths, self.batch_size, shuffle=True,
+                                      bucketing=self.bucketing, drop_last=self.drop_last, seed=self.seed,
+                                      bucket_batches=self.bucket_batches)
+        # Evaluation: sorted by length, not shuffled, and not sharded: every rank sees every example
+        # once, so metrics need no de-duplication and uneven ranks cannot hang a collective.
+        return LengthBatchSampler(self._split(split).lengths, self.eval_batch_size, shuffle=False, shard=False)
+
+    def _loader(self, split: str, sampler: LengthBatchSampler) -> DataLoader:
+        return DataLoader(
+            self._split(split), batch_sampler=sampler, collate_fn=Collate(PAD_ID, self.max_len if self.fixed_len else None),
+            num_workers=self.num_workers, pin_memory=self.pin_memory, persistent_workers=self.num_workers > 0,
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        self.train_sampler = self._sampler("train", train=True)
+        if self._pending_sampler_state is not None:  # resuming from a checkpoint
+            self.train_sampler.load_state_dict(self._pending_sampler_state)
+            self._pending_sampler_state = None
+        return self._loader("train", self.train_sampler)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader("validation", self._sampler("validation", train=False))
+
+    def test_dataloader(self) -> DataLoader:
+        return self._loader("test", self._sampler("test", train=False))
+
+    # ------------------------------------------------------------------ checkpoint state
+
+    def state_dict(self) -> dict:
+        """Saved by Lightning in every checkpoint: the tokenizer (so evaluation needs nothing else)
+        and where the training sampler stands (for exact mid-epoch resume)."""
+        state = {"label_names": self.label_names, "max_len": self.max_len}
+        if self.tokenizer is not None:
+            state["tokenizer"] = self.tokenizer_json()
+        if self.train_sampler is not None:
+            state["train_sampler"] = self.train_sampler.state_dict()
+            # The sampler has handed out batches the trainer has not consumed yet (Lightning and
+            # DataLoader workers prefetch): count the ones the training loop actually processed.
+            try:
+                state["train_sampler"]["batches_yielded"] = int(
+                    self.trainer.fit_loop.epoch_loop.batch_progress.current.processed)
+            except (AttributeError, RuntimeError):  # no trainer attached
+                pass
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        if "tokenizer" in state and self.tokenizer is not None and state["tokenizer"] != self.tokenizer_json():
+            log.warning("%s: the checkpoint's tokenizer differs from the one built from the data config; token ids "
+                        "may not match the trained embeddings (was the cache rebuilt or the config changed?)", self.name)
+        if "train_sampler" in state:
+            self._pending_sampler_state = state["train_sampler"]
+            if self.train_sampler is not None:
+                self.train_sampler.load_state_dict(state["train_sampler"])
+                self._pending_sampler_state = None
+
+    # ------------------------------------------------------------------ what the model needs
+
+    def _tok(self) -> Tokenizer:
+        if self.tokenizer is None:
+            raise RuntimeError(f"{self.name}: the tokenizer exists after prepare_data() and setup(); call them first.")
+        return self.tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok().get_vocab_size()
+
+    @property
+    def pad_id(self) -> int:
+        return PAD_ID
+
+    @property
+    def cls_id(self) -> int:
+        return CLS_ID
+
+    def tokenizer_json(self) -> str:
+        return self._tok().to_str()
+
+    tokenizer_from_json = staticmethod(load_tokenizer)

@@ -1,0 +1,515 @@
+"""Data package: readers on fixture files of every format, the real SST-2 / TREC files, the tokenizer
+cache, padding, the batch sampler (determinism, sharding, resume) and every bad-input error."""
+
+from __future__ import annotations
+
+import csv
+import gzip
+import json
+import logging
+import random
+from collections import Counter
+from pathlib import Path
+
+import lightning as L
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+import mhalab.data.datamodule as datamodule_module
+from mhalab.data import (
+    CLS_ID,
+    PAD_ID,
+    Collate,
+    LengthBatchSampler,
+    TextClassificationDataModule,
+    byte_tokenizer,
+    encode_texts,
+    load_tokenizer,
+    padding_fraction,
+    stratified_holdout,
+)
+from mhalab.data.reading import clean_rows, load_table
+
+DATA = Path(__file__).parents[1].parent / "shared/data"
+SST2 = {
+    "name": "sst2", "files": {"train": "sst2/train.tsv", "validation": "sst2/dev.tsv", "test": "sst2/test.tsv"},
+    "text_column": "sentence", "label_column": "label", "num_classes": 2, "delimiter": "\t", "quoting": 3,
+}
+TREC_COARSE = ["ABBR", "DESC", "ENTY", "HUM", "LOC", "NUM"]
+
+# ---------------------------------------------------------------------- fixture files
+
+WORDS = ["good", "bad", "movie", "plot", "acting", "great", "awful", "fun", "boring", "the", "a", "was"]
+SPECIAL_TEXTS = ['he said "hi", then left', "null", "NA", "  spaced  out  "]  # must survive every reader
+
+
+def toy_rows(n: int, seed: int, labels=(0, 1)) -> list[tuple[str, object]]:
+    rng = random.Random(seed)
+    rows = [(" ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 12))), labels[i % len(labels)]) for i in range(n)]
+    return [(t, rows[i][1]) for i, t in enumerate(SPECIAL_TEXTS)] + rows[len(SPECIAL_TEXTS):]
+
+
+def write_rows(path: Path, rows, kind: str, columns=("text", "label")) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if kind == "tsv":  # like SST-2: no quoting at all, read back with quoting=3
+        path.write_text("\t".join(columns) + "\n" + "".join("\t".join(map(str, r)) + "\n" for r in rows))
+    elif kind == "csv":
+        with open(path, "w", newline="") as f:
+            csv.writer(f).writerows([columns, *rows])
+    elif kind in ("jsonl", "jsonl.gz"):
+        lines = "".join(json.dumps(dict(zip(columns, r))) + "\n" for r in rows)
+        if kind == "jsonl":
+            path.write_text(lines)
+        else:
+            with gzip.open(path, "wt") as f:
+                f.write(lines)
+    elif kind == "parquet":
+        pq.write_table(pa.table({c: [r[i] for r in rows] for i, c in enumerate(columns)}), path)
+
+
+FORMATS = {  # fixture kind -> reader arguments
+    "tsv": {"format": "csv", "delimiter": "\t", "quoting": 3},
+    "csv": {"format": "csv"},
+    "jsonl": {"format": "json"},
+    "jsonl.gz": {"format": "json"},
+    "parquet": {"format": "parquet"},
+}
+
+
+def toy_data(tmp_path: Path, kind: str = "tsv", n=(40, 8, 8), labels=(0, 1), splits=("train", "validation", "test")):
+    data_dir = tmp_path / "data"
+    rows = {}
+    for split, count, seed in zip(splits, n, range(3)):
+        rows[split] = toy_rows(count, seed, labels)
+        write_rows(data_dir / f"toy/{split}.{kind}", rows[split], kind)
+    return data_dir, {s: f"toy/{s}.{kind}" for s in splits}, rows
+
+
+def toy_dm(tmp_path: Path, kind: str = "tsv", write: bool = True, **kwargs) -> TextClassificationDataModule:
+    """A datamodule over fixture files (written unless write=False) with a tiny tokenizer."""
+    if write:
+        toy_data(tmp_path, kind)
+    data_dir, files = tmp_path / "data", {s: f"toy/{s}.{kind}" for s in ("train", "validation", "test")}
+    args = dict(name="toy", files=files, num_classes=2, data_dir=str(data_dir), cache_dir=str(tmp_path / "cache"),
+                vocab_size=100, min_frequency=1, max_len=16, batch_size=4, **FORMATS[kind])
+    return TextClassificationDataModule(**(args | kwargs))
+
+
+@pytest.mark.parametrize("kind", list(FORMATS))
+def test_every_format_reads_exactly_and_batches(tmp_path, kind):
+    _data_dir, _files, rows = toy_data(tmp_path, kind)
+    dm = toy_dm(tmp_path, kind)
+    dm.setup()
+    assert {s: len(d) for s, d in dm.splits.items()} == {"train": 40, "validation": 8, "test": 8}
+    # Row order and texts survive reading (quotes, commas, 'null', 'NA'): ids equal a direct encode.
+    texts, labels = zip(*rows["train"])
+    assert [dm.splits["train"][i][0].tolist() for i in range(40)] == encode_texts(dm.tokenizer, texts, 16)
+    assert dm.splits["train"].labels.tolist() == list(labels)
+    batches = list(dm.val_dataloader())
+    assert sorted(x for b in batches for x in b["labels"].tolist()) == sorted(r[1] for r in rows["validation"])
+    for b in batches:
+        n, width = b["input_ids"].shape
+        assert b["input_ids"].dtype == torch.long and b["labels"].dtype == torch.long
+        assert b["padding_mask"].dtype == torch.bool and b["padding_mask"].shape == (n, width)
+        assert width == int(b["lengths"].max())  # dynamic padding: to the longest in the batch
+        assert b["padding_mask"].sum(1).tolist() == (width - b["lengths"]).tolist()
+        assert (b["input_ids"][b["padding_mask"]] == PAD_ID).all() and (b["input_ids"][:, 0] == CLS_ID).all()
+        assert set(b) == {"input_ids", "padding_mask", "labels", "lengths"}
+    lengths = [int(x) for b in batches for x in b["lengths"]]
+    assert lengths == sorted(lengths, reverse=True)  # evaluation batches: sorted by length
+
+
+def test_string_labels_map_to_label_names_in_order(tmp_path):
+    names = ["neg", "neu", "pos"]
+    data_dir, files, rows = toy_data(tmp_path, "csv", labels=("pos", "neg", "neu"))
+    dm = TextClassificationDataModule("toy3", files, label_names=names, data_dir=str(data_dir), format="csv",
+                                      cache_dir=str(tmp_path / "cache"), vocab_size=100, min_frequency=1, max_len=16)
+    dm.setup()
+    assert dm.num_classes == 3 and dm.label_names == names
+    assert dm.splits["train"].labels.tolist() == [names.index(r[1]) for r in rows["train"]]
+
+
+def test_hydra_instantiates_it_from_yaml(tmp_path):
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+
+    data_dir, files, rows = toy_data(tmp_path, "jsonl.gz", labels=("b", "a"))
+    cfg = OmegaConf.create(f"""
+    _target_: mhalab.data.TextClassificationDataModule
+    name: toy
+    data_dir: {data_dir}
+    files: {{train: toy/train.jsonl.gz, validation: toy/validation.jsonl.gz, test: toy/test.jsonl.gz}}
+    format: json
+    label_names: [a, b]
+    cache_dir: {tmp_path / "cache"}
+    vocab_size: 100
+    min_frequency: 1
+    max_len: 16
+    """)
+    dm = instantiate(cfg)
+    dm.setup()
+    assert dm.files == files and dm.label_names == ["a", "b"] and dm.num_classes == 2
+    assert dm.splits["train"].labels.tolist() == [["a", "b"].index(r[1]) for r in rows["train"]]
+
+
+def test_fixed_len_pads_every_batch_to_max_len(tmp_path):
+    dm = toy_dm(tmp_path, fixed_len=True)
+    dm.setup()
+    batches = list(dm.train_dataloader())
+    assert {b["input_ids"].shape[1] for b in batches} == {16}
+    lengths = torch.cat([b["lengths"] for b in batches]).float()
+    assert padding_fraction(batches) == pytest.approx(1 - lengths.mean().item() / 16)
+
+
+# ---------------------------------------------------------------------- real data: SST-2, TREC
+
+
+@pytest.fixture(scope="session")
+def sst2(tmp_path_factory):
+    cache = tmp_path_factory.mktemp("sst2_cache")
+    dm = TextClassificationDataModule(**SST2, data_dir=str(DATA), cache_dir=str(cache), vocab_size=2000,
+                                      batch_size=64, max_len=128)
+    dm.prepare_data()
+    dm.setup()
+    return dm
+
+
+def test_sst2_row_counts_and_label_balance(sst2):
+    counts = {s: Counter(d.labels.tolist()) for s, d in sst2.splits.items()}
+    assert {s: sum(c.values()) for s, c in counts.items()} == {"train": 67349, "validation": 872, "test": 1821}
+    assert counts["train"] == {1: 37569, 0: 29780}
+    assert counts["validation"] == {1: 444, 0: 428}
+    assert counts["test"] == {1: 909, 0: 912}
+    assert sst2.vocab_size == 2000 and sst2.num_classes == 2 and sst2.pad_id == 0
+
+
+def test_sst2_second_setup_loads_cache_with_same_ids(sst2, monkeypatch):
+    def fail(*args, **kwargs):
+        raise AssertionError("should have been loaded from the cache")
+
+    monkeypatch.setattr(datamodule_module, "train_tokenizer", fail)
+    monkeypatch.setattr(datamodule_module, "encode_texts", fail)
+    again = TextClassificationDataModule(**SST2, data_dir=str(DATA), cache_dir=str(sst2.cache_root), vocab_size=2000,
+                                         batch_size=64, max_len=128)
+    again.setup()
+    assert again.tokenizer_json() == sst2.tokenizer_json()
+    for split in ("train", "validation", "test"):
+        assert torch.equal(again.splits[split].ids, sst2.splits[split].ids)
+    # and a checkpoint's tokenizer JSON encodes exactly as the cached ids
+    first = encode_texts(TextClassificationDataModule.tokenizer_from_json(sst2.tokenizer_json()),
+                         ["hide new secretions from the parental units "], 128)[0]
+    assert first == sst2.splits["train"][0][0].tolist()
+
+
+def test_sst2_bucketing_cuts_padding(sst2):
+    """Padding fraction of SST-2 train at batch 64: bucketed <= 10%, plain shuffled several times more."""
+    bucketed = padding_fraction(sst2.train_dataloader())  # real batches through the DataLoader + collate
+    assert bucketed == pytest.approx(sst2.train_sampler.padding_fraction(0))  # the cheap estimate agrees
+    lengths = sst2.splits["train"].lengths
+    shuffled = LengthBatchSampler(lengths, 64, bucketing=False, seed=sst2.seed).padding_fraction(0)
+    fixed = LengthBatchSampler(lengths, 64, seed=sst2.seed).padding_fraction(0, pad_to=128)
+    print(f"\nSST-2 train padding fraction at batch 64: bucketed {bucketed:.1%}, shuffled {shuffled:.1%}, "
+          f"fixed max_len=128 {fixed:.1%}")
+    assert bucketed <= 0.10
+    assert shuffled >= 5 * bucketed and fixed > shuffled
+
+
+def test_trec_stratified_holdout(tmp_path):
+    path = DATA / "trec/train.tsv"
+    table = load_table(path, "csv", "\t", 3, ["text", "coarse_label", "fine_label"], str(tmp_path / "hf"))
+    _, labels = clean_rows(table["text"], table["coarse_label"], split="train", where=str(path), text_column="text",
+                           label_column="coarse_label", label_names=TREC_COARSE, num_classes=6)
+    assert len(labels) == 5452
+    train, dev = stratified_holdout(labels, 0.1, seed=0)
+    assert set(train).isdisjoint(dev) and sorted(train + dev) == list(range(5452))
+    total, held = Counter(labels), Counter(labels[i] for i in dev)
+    for c, n in total.items():
+        assert abs(held[c] - 0.1 * n) <= 1, (TREC_COARSE[c], held[c], n)
+    assert stratified_holdout(labels, 0.1, seed=0) == (train, dev)  # deterministic for a seed
+    assert stratified_holdout(labels, 0.1, seed=1)[1] != dev
+
+    # the datamodule holds out exactly that split, and trains on the rest
+    dm = TextClassificationDataModule(
+        "trec", {"train": "trec/train.tsv", "test": "trec/test.tsv"}, label_column="coarse_label",
+        label_names=TREC_COARSE, data_dir=str(DATA), delimiter="\t", quoting=3, dev_split=0.1, seed=0,
+        tokenizer_kind="bytes", cache_dir=str(tmp_path / "cache"), max_len=64,
+    )
+    dm.setup()
+    assert {s: len(d) for s, d in dm.splits.items()} == {"train": len(train), "validation": len(dev), "test": 500}
+    assert Counter(dm.splits["validation"].labels.tolist()) == held
+
+
+# ---------------------------------------------------------------------- tokenizers and cache
+
+
+def test_tokenizer_cache_keys(tmp_path, monkeypatch):
+    dm = toy_dm(tmp_path)
+    dm.setup()
+    assert dm.tokenizer_path.is_file()
+    trained = []
+    real_train = datamodule_module.train_tokenizer
+    monkeypatch.setattr(datamodule_module, "train_tokenizer", lambda *a, **k: trained.append(1) or real_train(*a, **k))
+
+    same = toy_dm(tmp_path, write=False)  # (rewriting the files would change their mtime: a new key)
+    same.setup()
+    assert trained == [] and same.tokenizer_path == dm.tokenizer_path
+    assert torch.equal(same.splits["train"].ids, dm.splits["train"].ids)
+
+    other = toy_dm(tmp_path, write=False, vocab_size=90)
+    assert other.tokenizer_path != dm.tokenizer_path
+    other.setup()
+    assert trained == [1]
+
+    longer = toy_dm(tmp_path, write=False, max_len=32)  # same tokenizer, new encoding
+    assert longer.tokenizer_path == dm.tokenizer_path
+    longer.setup()
+    assert trained == [1]
+
+    before = dm.tokenizer_path
+    train_file = tmp_path / "data/toy/train.tsv"  # the data changed (size, mtime): a new key
+    train_file.write_text(train_file.read_text() + "an extra row\t1\n")
+    assert toy_dm(tmp_path, write=False).tokenizer_path != before
+
+
+def test_byte_tokenizer_ids_are_bytes_plus_specials():
+    tok = byte_tokenizer()
+    assert tok.get_vocab_size() == 260
+    assert encode_texts(tok, ["héllo"], 100) == [[CLS_ID, *[4 + b for b in "héllo".encode()], 3]]
+    assert encode_texts(tok.to_str(), ["abcdef"], 5) == [[CLS_ID, 4 + 97, 4 + 98, 4 + 99, 3]]  # truncated, JSON in
+    assert load_tokenizer(tok.to_str()).to_str() == tok.to_str()
+
+
+def test_word_tokenizer_keeps_every_symbol_whole(tmp_path):
+    from mhalab.data import train_tokenizer
+
+    tok = train_tokenizer(["[MAX 2 9 [MIN 4 7 ] 0 ]", "[SM 5 6 ]"], "word", vocab_size=64, lowercase=False,
+                          min_frequency=1)
+    assert tok.get_vocab_size() == 4 + 11  # specials + [MAX [MIN [SM ] and the digits 0 2 4 5 6 7 9
+    ids = encode_texts(tok, ["[MAX 2 [SM 9 ] 8 ]"], 100)[0]
+    assert len(ids) == 2 + 7 and ids[0] == CLS_ID and ids[-1] == 3 and ids[6] == 1  # '8' unseen: [UNK]
+
+
+def test_collate_and_padding_fraction():
+    items = [(torch.tensor([2, 7, 8, 3]), 1), (torch.tensor([2, 3]), 0)]
+    b = Collate()(items)
+    assert b["input_ids"].tolist() == [[2, 7, 8, 3], [2, 3, 0, 0]]
+    assert b["padding_mask"].tolist() == [[False] * 4, [False, False, True, True]]
+    assert b["labels"].tolist() == [1, 0] and b["lengths"].tolist() == [4, 2]
+    assert padding_fraction([b]) == 2 / 8
+    assert Collate(pad_to=6)(items)["input_ids"].shape == (2, 6)
+    assert padding_fraction([Collate(pad_to=6)(items)]) == 6 / 12
+
+
+# ---------------------------------------------------------------------- the batch sampler
+
+_rng = random.Random(0)
+LENGTHS = [_rng.randint(1, 100) for _ in range(1000)]
+
+
+def test_sampler_covers_every_index_once_and_is_deterministic():
+    s = LengthBatchSampler(LENGTHS, 32, seed=3)
+    batches = list(s)
+    assert len(batches) == len(s) == 32  # ceil(1000 / 32)
+    assert sorted(i for b in batches for i in b) == list(range(1000))
+    assert min(len(b) for b in batches) == 1000 % 32 and all(len(b) <= 32 for b in batches)
+    assert list(LengthBatchSampler(LENGTHS, 32, seed=3)) == batches  # same seed and epoch
+    assert list(LengthBatchSampler(LENGTHS, 32, seed=4)) != batches
+    s.set_epoch(1)
+    epoch1 = list(s)
+    assert epoch1 != batches and sorted(i for b in epoch1 for i in b) == list(range(1000))
+    s.set_epoch(0)
+    assert list(s) == batches
+    full = LengthBatchSampler(LENGTHS, 32, drop_last=True)
+    assert len(full) == 31 and all(len(b) == 32 for b in full)
+
+
+def test_sampler_bucketing_and_eval_order():
+    bucketed = LengthBatchSampler(LENGTHS, 32).padding_fraction()
+    shuffled_sampler = LengthBatchSampler(LENGTHS, 32, bucketing=False)
+    assert bucketed < 0.05 and shuffled_sampler.padding_fraction() > 0.3
+    # shuffled batches are not sorted within a chunk: their lengths are not monotone
+    assert any(LENGTHS[b[0]] < LENGTHS[b[1]] for b in shuffled_sampler) and \
+        any(LENGTHS[b[0]] > LENGTHS[b[1]] for b in shuffled_sampler)
+    order = [i for b in LengthBatchSampler(LENGTHS, 32, shuffle=False) for i in b]
+    assert [LENGTHS[i] for i in order] == sorted(LENGTHS, reverse=True)
+
+
+def test_sampler_shards_across_two_ranks():
+    ranks = [LengthBatchSampler(LENGTHS, 32, seed=5, rank=r, world_size=2) for r in range(2)]
+    for s in ranks:
+        s.set_epoch(2)
+    b0, b1 = list(ranks[0]), list(ranks[1])
+    assert len(b0) == len(b1) == len(ranks[0]) == 16  # 32 global batches, 16 each
+    assert not {i for b in b0 for i in b} & {i for b in b1 for i in b}
+    assert b0 + b1 != [] and sorted(map(tuple, b0 + b1)) == sorted(map(tuple, ranks[0].global_batches(2)))
+    odd = [LengthBatchSampler(LENGTHS[:990], 30, rank=r, world_size=2) for r in range(2)]  # 33 global batches
+    assert len(list(odd[0])) == len(list(odd[1])) == len(odd[0]) == 16  # one left over, dropped for equal counts
+    assert LengthBatchSampler(LENGTHS, 32, shuffle=False, shard=False, rank=1, world_size=2).batches() == \
+        LengthBatchSampler(LENGTHS, 32, shuffle=False).batches()  # evaluation: every rank sees all
+
+
+@pytest.mark.parametrize("rank,world", [(0, 1), (1, 2)])
+def test_sampler_resumes_mid_epoch_exactly(rank, world):
+    s = LengthBatchSampler(LENGTHS, 32, seed=7, rank=rank, world_size=world)
+    s.set_epoch(2)
+    full = s.batches()
+    it = iter(s)
+    consumed = [next(it) for _ in range(5)]
+    state = s.state_dict()
+    assert state == {"epoch": 2, "batches_yielded": 5} and consumed == full[:5]
+
+    resumed = LengthBatchSampler(LENGTHS, 32, seed=7, rank=rank, world_size=world)
+    resumed.load_state_dict(state)
+    resumed.set_epoch(2)  # Lightning calls this at the start of the resumed epoch: resume point kept
+    assert list(resumed) == full[5:]
+    assert resumed.state_dict() == {"epoch": 2, "batches_yielded": len(full)}
+    resumed.set_epoch(3)  # the next epoch is complete again
+    assert list(resumed) == s.batches(3) and len(s.batches(3)) == len(full)
+
+
+def test_datamodule_state_dict_resumes_and_carries_tokenizer(tmp_path):
+    dm = toy_dm(tmp_path)
+    dm.setup()
+    loader = dm.train_dataloader()
+    all_batches = [b["input_ids"] for b in loader]
+    it = iter(loader)
+    for _ in range(4):
+        next(it)
+    state = dm.state_dict()
+    assert state["train_sampler"] == {"epoch": 0, "batches_yielded": 4} and state["label_names"] == ["0", "1"]
+    assert load_tokenizer(state["tokenizer"]).to_str() == dm.tokenizer.to_str()
+
+    again = toy_dm(tmp_path, write=False)
+    again.setup()
+    again.load_state_dict(state)
+    rest = [b["input_ids"] for b in again.train_dataloader()]
+    assert len(rest) == len(all_batches) - 4 and all(torch.equal(a, b) for a, b in zip(rest, all_batches[4:]))
+
+
+class _Recorder(L.LightningModule):
+    """The smallest classifier: records the batches its training steps see."""
+
+    def __init__(self, vocab_size: int):
+        super().__init__()
+        self.emb, self.seen = torch.nn.EmbeddingBag(vocab_size, 2, padding_idx=0), []
+
+    def training_step(self, batch, batch_idx):
+        self.seen.append(batch["input_ids"].sum(1).tolist())
+        return torch.nn.functional.cross_entropy(self.emb(batch["input_ids"]), batch["labels"])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_lightning_resumes_mid_epoch_on_the_next_unseen_batch(tmp_path, num_workers):
+    """A run of 20 steps (10 batches an epoch) checkpoints at step 13 (epoch 1, batch 3); resuming
+    from it must train on exactly the batches the uninterrupted run saw from step 13 on. With a
+    worker, the DataLoader has drawn batches ahead of the trainer: the checkpoint must not count them."""
+    def trainer(**kwargs):
+        return L.Trainer(max_steps=20, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, use_distributed_sampler=False, num_sanity_val_steps=0,
+                         default_root_dir=tmp_path, **kwargs)
+
+    dm = toy_dm(tmp_path, num_workers=num_workers)
+    dm.setup()
+    full = _Recorder(dm.vocab_size)
+    ckpt = L.pytorch.callbacks.ModelCheckpoint(tmp_path / "ckpt", every_n_train_steps=13, save_top_k=-1)
+    trainer(callbacks=[ckpt]).fit(full, dm)
+    assert len(full.seen) == 20 and full.seen[:10] != full.seen[10:]  # Lightning's set_epoch reached the sampler
+    path = next((tmp_path / "ckpt").glob("*step=13*.ckpt"))
+    state = torch.load(path, weights_only=False)["TextClassificationDataModule"]
+    assert state["train_sampler"] == {"epoch": 1, "batches_yielded": 3}
+
+    again = toy_dm(tmp_path, write=False, num_workers=num_workers)
+    again.setup()
+    resumed = _Recorder(again.vocab_size)
+    trainer().fit(resumed, again, ckpt_path=path)
+    assert resumed.seen == full.seen[13:]
+
+
+# ---------------------------------------------------------------------- bad inputs, one-line errors
+
+
+def test_data_dir_and_files_missing(tmp_path, monkeypatch):
+    monkeypatch.delenv("MHALAB_DATA_DIR", raising=False)
+    with pytest.raises(FileNotFoundError, match=r"data directory '.*nowhere' does not exist.*MHALAB_DATA_DIR"):
+        toy_dm(tmp_path, data_dir=str(tmp_path / "nowhere")).setup()
+    with pytest.raises(FileNotFoundError, match=r"no data directory for 'toy': set data.data_dir=.*MHALAB_DATA_DIR"):
+        toy_dm(tmp_path, data_dir=None).setup()
+    with pytest.raises(FileNotFoundError, match=r"toy validation file '.*toy/dev.tsv' does not exist.*data.data_dir="):
+        toy_dm(tmp_path, files={"train": "toy/train.tsv", "validation": "toy/dev.tsv"}).setup()
+    monkeypatch.setenv("MHALAB_DATA_DIR", str(tmp_path / "data"))  # the environment variable is a data_dir
+    dm = toy_dm(tmp_path, data_dir=None)
+    dm.setup()
+    assert len(dm.splits["train"]) == 40
+
+
+def _bad_rows(tmp_path, rows, kind="tsv", **kwargs):
+    toy_data(tmp_path, kind)  # valid validation/test files
+    write_rows(tmp_path / f"data/toy/train.{kind}", rows, kind)
+    return toy_dm(tmp_path, kind, write=False, **kwargs)
+
+
+@pytest.mark.parametrize("kind,rows,kwargs,error,match", [
+    ("tsv", [("ok", 0), ("fine", 1), ("bad", 5)], {}, ValueError,
+     r"train row 2 of toy file '.*train.tsv': label '5' in column 'label' is not one of the integers 0\.\.1"),
+    ("tsv", [("ok", 0), ("bad", "pos")], {}, ValueError, r"train row 1 .*label 'pos' .*integers 0\.\.1"),
+    ("jsonl", [("ok", 0), ("bad", None)], {}, ValueError, r"train row 1 .*label None in column 'label'"),
+    ("csv", [("ok", "neg"), ("bad", "NUM")], {"label_names": ["neg", "pos"], "num_classes": None}, ValueError,
+     r"train row 1 .*label 'NUM' .*not one of \['neg', 'pos'\] \(or indices 0\.\.1\)"),
+    ("tsv", [("ok", 0), ("", 1)], {}, ValueError,
+     r"train row 1 of .*: text column 'text' is empty \(''\); .*on_bad_rows=drop"),
+    ("jsonl", [("ok", 0), (None, 1)], {}, ValueError, r"train row 1 of .*: text column 'text' is missing"),
+    ("tsv", [], {}, ValueError, r"train split of toy file '.*train.tsv' has no usable rows \(0 read\)"),
+    ("tsv", [("ok", 0)], {"text_column": "sentence"}, ValueError,
+     r"text_column='sentence' is not a column of toy train file .*; columns present: \['text', 'label'\]"),
+    ("parquet", [("ok", 0)], {"label_column": "y"}, ValueError,
+     r"label_column='y' is not a column .*columns present: \['text', 'label'\]"),
+])
+def test_bad_rows_raise_before_tokenizer_training(tmp_path, monkeypatch, kind, rows, kwargs, error, match):
+    monkeypatch.setattr(datamodule_module, "train_tokenizer", lambda *a, **k: pytest.fail("trained a tokenizer"))
+    dm = _bad_rows(tmp_path, rows, kind, **kwargs)
+    with pytest.raises(error, match=match):
+        dm.prepare_data()
+
+
+def test_on_bad_rows_drop_warns_with_the_count(tmp_path, caplog):
+    rows = toy_rows(40, 0)
+    rows[3], rows[9] = ("   ", 1), ("", 0)
+    dm = _bad_rows(tmp_path, rows, on_bad_rows="drop")
+    with caplog.at_level(logging.WARNING):
+        dm.setup()
+    assert len(dm.splits["train"]) == 38
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("dropped 2 of 40 train rows with a missing or empty 'text'" in w for w in warnings), warnings
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"max_len": 0}, r"max_len=0 is too small: it must be >= 3"),
+    ({"batch_size": 0}, r"batch_size=0 .* must be >= 1"),
+    ({"vocab_size": 3}, r"vocab_size=3 is below the minimum 5 for tokenizer_kind=wordpiece \(4 special tokens"),
+    ({"vocab_size": 200, "tokenizer_kind": "bpe"}, r"vocab_size=200 is below the minimum 260 .*256 byte symbols"),
+    ({"tokenizer_kind": "sentencepiece"}, r"tokenizer_kind='sentencepiece' is not supported"),
+    ({"format": "xml"}, r"format='xml' is not supported"),
+    ({"on_bad_rows": "skip"}, r"on_bad_rows='skip' is not supported"),
+    ({"num_classes": None}, r"set num_classes .* or label_names"),
+    ({"label_names": ["a", "b", "c"]}, r"num_classes=2 but label_names has 3 names"),
+    ({"dev_split": 0.1}, r"dev_split=0.1 but files already has a validation split"),
+    ({"dev_split": 1.5, "files": {"train": "toy/train.tsv"}}, r"dev_split=1.5 must be a fraction in \(0, 1\)"),
+    ({"files": {"train": "toy/train.tsv"}}, r"there is no validation split: add files.validation, or set dev_split"),
+    ({"files": {"train": "toy/train.tsv", "dev": "toy/dev.tsv"}}, r"files must map 'train'.*got \['dev', 'train'\]"),
+])
+def test_bad_arguments_fail_at_construction(tmp_path, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        toy_dm(tmp_path, **kwargs)
+
+
+def test_asking_for_data_before_setup_says_so(tmp_path):
+    dm = toy_dm(tmp_path)
+    with pytest.raises(RuntimeError, match=r"call prepare_data\(\) and setup\(\)"):
+        dm.train_dataloader()
+    with pytest.raises(RuntimeError, match=r"the tokenizer exists after prepare_data\(\) and setup\(\)"):
+        _ = dm.vocab_size

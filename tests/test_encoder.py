@@ -1,0 +1,518 @@
+"""encoder.py proven equal to nn.TransformerEncoderLayer / nn.TransformerEncoder (weights copied).
+
+Outputs, input gradients and every parameter gradient are compared at 1e-5 in float32, in train
+mode (dropout=0) and eval mode, post-norm and pre-norm, relu and gelu, for each mask kind.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mhalab.attention import MultiHeadAttention
+from mhalab.encoder import OfficialEncoder, TransformerEncoder, TransformerEncoderLayer
+
+E, H, FF, B, L = 16, 4, 32, 2, 6
+TOL = 1e-5
+KINDS = ["none", "causal", "float", "padding", "causal_padding", "per_head_4d"]
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:Support for mismatched key_padding_mask:UserWarning",
+    "ignore:enable_nested_tensor is True:UserWarning",
+    "ignore:The PyTorch API of nested tensors is in prototype stage:UserWarning",
+)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny tensors: one intra-op thread avoids OpenMP spin-waits on a busy 2-core machine (~7x faster)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def close(a, b, tol=TOL, what=""):
+    torch.testing.assert_close(a, b, atol=tol, rtol=0, msg=lambda m: f"{what}: {m}")
+
+
+def perturb(mod: nn.Module, seed: int = 7) -> nn.Module:
+    """Move every parameter off its init (zero biases, unit LayerNorm) so no gradient is trivially equal."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in mod.parameters():
+            p.add_(torch.randn(p.shape, generator=g).to(p) * 0.1)
+    return mod
+
+
+def official_layer(activation, norm_first, dropout=0.0, dtype=torch.float32):
+    return nn.TransformerEncoderLayer(
+        E, H, FF, dropout=dropout, activation=activation, batch_first=True, norm_first=norm_first, dtype=dtype
+    )
+
+
+def layer_pair(conversion, activation, norm_first, dropout=0.0, seed=0):
+    torch.manual_seed(seed)
+    if conversion == "from_official":
+        off = perturb(official_layer(activation, norm_first, dropout))
+        ours = TransformerEncoderLayer.from_official(off)
+    else:
+        ours = perturb(TransformerEncoderLayer(E, H, FF, dropout, activation, norm_first))
+        off = ours.to_official()
+    return ours, off
+
+
+def stack_pair(conversion, activation, norm_first, final_norm, num_layers=3, seed=0):
+    torch.manual_seed(seed)
+    if conversion == "from_official":
+        off = nn.TransformerEncoder(
+            official_layer(activation, norm_first),
+            num_layers,
+            norm=nn.LayerNorm(E) if final_norm else None,
+            enable_nested_tensor=False,
+        )
+        perturb(off)  # official deep-copies one layer: perturbing makes the layers differ
+        ours = TransformerEncoder.from_official(off)
+    else:
+        ours = perturb(TransformerEncoder(num_layers, E, H, FF, 0.0, activation, norm_first, final_norm))
+        off = ours.to_official()
+    return ours, off
+
+
+def make_masks(kind, seed=0):
+    """(ours_mask, official_mask, key_padding_mask); official takes per-head masks as (B*H, L, L)."""
+    g = torch.Generator().manual_seed(seed)
+    causal = torch.ones(L, L, dtype=torch.bool).triu(1)
+    kpm = torch.zeros(B, L, dtype=torch.bool)
+    kpm[1, -2:] = True
+    if kind == "none":
+        return None, None, None
+    if kind == "causal":
+        return causal, causal, None
+    if kind == "float":
+        fm = torch.randn(L, L, generator=g)
+        fm[0, 2] = fm[3, 5] = float("-inf")
+        return fm, fm, None
+    if kind == "padding":
+        return None, None, kpm
+    if kind == "causal_padding":
+        return causal, causal, kpm
+    assert kind == "per_head_4d"
+    m = (torch.rand(B, H, L, L, generator=g) < 0.5) & ~torch.eye(L, dtype=torch.bool)
+    return m, m.reshape(B * H, L, L), None
+
+
+def official_names(ours: nn.Module, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Our parameter names/tensors -> official names/tensors (W_Q, W_K, W_V stacked into in_proj)."""
+    out, stacked = {}, {}
+    for name, t in values.items():
+        for qkv in ("W_Q", "W_K", "W_V"):
+            if f"self_attn.{qkv}." in name:
+                prefix, kind = name.split(f"self_attn.{qkv}.")
+                stacked.setdefault((prefix, kind), {})[qkv] = t
+                break
+        else:
+            out[
+                name.replace("self_attn.W_O.", "self_attn.out_proj.")
+                .replace("ffn.0.", "linear1.")
+                .replace("ffn.3.", "linear2.")
+            ] = t
+    for (prefix, kind), d in stacked.items():
+        out[f"{prefix}self_attn.in_proj_{kind}"] = torch.cat([d["W_Q"], d["W_K"], d["W_V"]])
+    return out
+
+
+def assert_param_grads_equal(ours, off, tol=TOL):
+    """Every official parameter gradient equals ours; W_Q/W_K/W_V grads are the chunks of in_proj grads."""
+    ours_g = official_names(ours, {n: p.grad for n, p in ours.named_parameters()})
+    off_g = {n: p.grad for n, p in off.named_parameters()}
+    assert ours_g.keys() == off_g.keys()
+    for name, grad in off_g.items():
+        close(ours_g[name], grad, tol, f"grad of {name}")
+
+
+def run_both(ours, off, kind, mode, ours_kw="src_mask", off_kw="src_mask", real_only=False):
+    """Compare outputs, input grads and parameter grads. real_only: with a key-padding mask, compare the
+    real positions only and send no gradient into the padded ones (their outputs mean nothing; our stack
+    may skip them, as nn.TransformerEncoder's nested tensors do). Input and parameter gradients are then
+    still compared in full."""
+    ours.train(mode == "train")
+    off.train(mode == "train")
+    m_ours, m_off, kpm = make_masks(kind)
+    g = torch.Generator().manual_seed(3)
+    x0, g_out = torch.randn(B, L, E, generator=g), torch.randn(B, L, E, generator=g)
+    real = torch.ones(B, L, dtype=torch.bool) if kpm is None or not real_only else ~kpm
+    g_out = g_out * real[..., None]
+    x, xo = x0.clone().requires_grad_(True), x0.clone().requires_grad_(True)
+    out = ours(x, **{ours_kw: m_ours}, src_key_padding_mask=kpm)
+    out_o = off(xo, **{off_kw: m_off}, src_key_padding_mask=kpm)
+    out.backward(g_out)
+    out_o.backward(g_out)
+    assert torch.isfinite(out).all()
+    close(out[real], out_o[real], what="output")
+    close(x.grad, xo.grad, what="input grad")
+    assert_param_grads_equal(ours, off)
+
+
+# ---------------------------------------------------------------- equality
+
+
+@pytest.mark.parametrize("conversion", ["from_official", "to_official"])
+@pytest.mark.parametrize("mode", ["train", "eval"])
+@pytest.mark.parametrize("norm_first", [False, True], ids=["post_norm", "pre_norm"])
+@pytest.mark.parametrize("activation", ["relu", "gelu"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_layer_equals_official(kind, activation, norm_first, mode, conversion):
+    ours, off = layer_pair(conversion, activation, norm_first)
+    run_both(ours, off, kind, mode)
+
+
+@pytest.mark.parametrize("norm_first", [False, True], ids=["post_norm", "pre_norm"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_layer_with_explicit_attention_path_equals_official(kind, norm_first, monkeypatch):
+    """The layer uses the fused kernel; forcing the weights path inside it gives the same numbers."""
+    ours, off = layer_pair("from_official", "gelu", norm_first)
+    fwd = MultiHeadAttention.forward
+    calls = []
+
+    def explicit(self, *args, **kw):
+        calls.append(kw.get("need_weights"))
+        kw["need_weights"] = True
+        return fwd(self, *args, **kw)
+
+    monkeypatch.setattr(MultiHeadAttention, "forward", explicit)
+    run_both(ours, off, kind, "train")
+    assert calls == [False]  # the layer asked for the fused path, we forced the explicit one
+
+
+@pytest.mark.parametrize("conversion", ["from_official", "to_official"])
+@pytest.mark.parametrize("mode", ["train", "eval"])
+@pytest.mark.parametrize("config", ["post_relu", "post_gelu_final_norm", "pre_gelu_final_norm", "pre_relu"])
+@pytest.mark.parametrize("kind", ["none", "causal_padding", "float", "per_head_4d"])
+def test_stack_equals_official(kind, config, mode, conversion):
+    norm_first = config.startswith("pre")
+    activation = "relu" if "relu" in config else "gelu"
+    ours, off = stack_pair(conversion, activation, norm_first, final_norm="final_norm" in config)
+    assert len(ours.layers) == len(off.layers) == 3
+    run_both(ours, off, kind, mode, ours_kw="mask", off_kw="mask", real_only=True)
+
+
+@pytest.mark.parametrize("norm_first", [False, True], ids=["post_norm", "pre_norm"])
+@pytest.mark.parametrize("kind", ["none", "causal", "padding", "causal_padding"])
+def test_equals_official_fast_path_in_eval_no_grad(kind, norm_first):
+    """In eval + no_grad nn.TransformerEncoderLayer runs torch._transformer_encoder_layer_fwd."""
+    ours, off = layer_pair("from_official", "relu", norm_first)
+    ours_s, off_s = stack_pair("from_official", "gelu", norm_first, final_norm=norm_first)
+    m_ours, m_off, kpm = make_masks(kind)
+    real = torch.ones(B, L, dtype=torch.bool) if kpm is None else ~kpm
+    x = torch.randn(B, L, E)
+    for m in (ours, off, ours_s, off_s):
+        m.eval()
+    with torch.no_grad():
+        # the layer computes every position, pads included, as official's layer does
+        close(
+            ours(x, src_mask=m_ours, src_key_padding_mask=kpm),
+            off(x, src_mask=m_off, src_key_padding_mask=kpm),
+            what="layer",
+        )
+        out, out_o = (
+            ours_s(x, mask=m_ours, src_key_padding_mask=kpm),
+            off_s(x, mask=m_off, src_key_padding_mask=kpm),
+        )
+    close(out[real], out_o[real], what="stack, real positions")
+
+
+def test_official_encoder_wrapper_matches_ours():
+    """OfficialEncoder (post-norm) uses nested tensors in eval + no_grad: its padded positions come out as
+    0 then go through the final norm. Padded positions mean nothing; every real position is equal."""
+    torch.manual_seed(0)
+    wrap = perturb(OfficialEncoder(2, E, H, FF, dropout=0.0, activation="gelu", final_norm=True))
+    ours = TransformerEncoder.from_official(wrap.encoder)
+    _, _, kpm = make_masks("padding")
+    x = torch.randn(B, L, E)
+    wrap.eval()
+    ours.eval()
+    with torch.no_grad():
+        a, b = ours(x, src_key_padding_mask=kpm), wrap(x, src_key_padding_mask=kpm)
+    close(a[~kpm], b[~kpm], what="real positions")
+    # nested tensor -> padded with 0, then the final LayerNorm: LayerNorm(0) is its bias
+    close(b[kpm], wrap.encoder.norm.bias.detach().expand(int(kpm.sum()), E), 1e-6, "padded positions")
+    assert torch.isfinite(a).all()
+    wrap.train()
+    ours.train()
+    a, b = ours(x, src_key_padding_mask=kpm), wrap(x, src_key_padding_mask=kpm)
+    close(a[~kpm], b[~kpm], what="train mode")
+    close(ours(x), wrap(x), what="train mode, no padding")
+
+
+def test_official_layer_fast_path_misreads_float_masks():
+    """Documents a PyTorch bug our eval comparisons step around: in eval + no_grad,
+    nn.TransformerEncoderLayer's fast path reads a float src_mask as bool (nonzero = blocked), cf.
+    pytorch/pytorch#107084 (fixed there for nn.MultiheadAttention only). Ours equals its regular path."""
+    ours, off = layer_pair("from_official", "relu", False)
+    ours.eval()
+    off.eval()
+    fm = torch.randn(L, L).triu(1)  # zeros on and below the diagonal, random biases above it
+    x = torch.randn(B, L, E)
+    regular = off(x, src_mask=fm)  # parameters require grad and grad is on: no fast path
+    with torch.no_grad():
+        fast = off(x, src_mask=fm)
+        as_bool = off.train()(x, src_mask=fm != 0)
+        mine = ours(x, src_mask=fm)
+    close(mine, regular, what="ours vs official regular path")
+    close(fast, as_bool, what="official fast path == bool(mask != 0)")
+    assert (fast - regular).abs().max().item() > 0.1
+
+
+def test_compare_script_passes():
+    """scripts/compare_with_official.py (the README's table) runs, covers every mask kind, and passes."""
+    import io
+    import runpy
+    from pathlib import Path
+
+    from rich.console import Console
+
+    ns = runpy.run_path(
+        str(Path(__file__).resolve().parents[1] / "scripts" / "compare_with_official.py"),
+        run_name="compare_with_official",
+    )
+    buf = io.StringIO()
+    worst = ns["run"](Console(file=buf, width=120))
+    text = buf.getvalue()
+    assert worst <= TOL, text
+    for kind in ns["MASK_KINDS"]:
+        assert f"mask: {kind}" in text
+    assert "FAIL" not in text and "PASS" in text
+    assert "article's `masked_fill(mask == 0, -1e9)` 0.2000" in text
+
+
+# ---------------------------------------------------------------- converters
+
+
+@pytest.mark.parametrize("norm_first", [False, True], ids=["post_norm", "pre_norm"])
+@pytest.mark.parametrize("activation", ["relu", "gelu"])
+def test_layer_round_trips(activation, norm_first):
+    ours, _ = layer_pair("to_official", activation, norm_first, dropout=0.15)
+    back = TransformerEncoderLayer.from_official(ours.to_official())
+    assert back.activation == activation and back.norm_first == norm_first
+    assert back.dropout1.p == back.dropout2.p == back.ffn[2].p == back.self_attn.attention.dropout.p == 0.15
+    sd, sd2 = ours.state_dict(), back.state_dict()
+    assert sd.keys() == sd2.keys()
+    for k in sd:
+        assert torch.equal(sd[k], sd2[k]), k
+    _, off = layer_pair("from_official", activation, norm_first, dropout=0.15)
+    off2 = TransformerEncoderLayer.from_official(off).to_official()
+    sd, sd2 = off.state_dict(), off2.state_dict()
+    assert sd.keys() == sd2.keys()
+    for k in sd:
+        assert torch.equal(sd[k], sd2[k]), k
+    x = torch.randn(B, L, E)
+    for m in (ours, back, off, off2):
+        m.eval()
+    assert torch.equal(ours(x), back(x))
+    with torch.no_grad():
+        assert torch.equal(off(x), off2(x))
+
+
+@pytest.mark.parametrize("final_norm", [False, True])
+def test_stack_round_trips(final_norm):
+    ours, _ = stack_pair("to_official", "gelu", True, final_norm)
+    back = TransformerEncoder.from_official(ours.to_official())
+    sd, sd2 = ours.state_dict(), back.state_dict()
+    assert sd.keys() == sd2.keys()
+    for k in sd:
+        assert torch.equal(sd[k], sd2[k]), k
+    _, off = stack_pair("from_official", "relu", False, final_norm)
+    off2 = TransformerEncoder.from_official(off).to_official()
+    sd, sd2 = off.state_dict(), off2.state_dict()
+    assert sd.keys() == sd2.keys()
+    for k in sd:
+        assert torch.equal(sd[k], sd2[k]), k
+    x = torch.randn(B, L, E)
+    assert torch.equal(ours.eval()(x), back.eval()(x))
+
+
+def test_stack_from_official_keeps_final_norm_eps_and_dtype():
+    """Regression: from_official used to copy only the final norm's weights into a fresh float32
+    LayerNorm(eps=1e-5): a float64 encoder crashed and a non-default eps was silently lost."""
+    layer = official_layer("gelu", True, dtype=torch.float64)
+    off = nn.TransformerEncoder(
+        layer, 2, norm=nn.LayerNorm(E, eps=1e-3, dtype=torch.float64), enable_nested_tensor=False
+    )
+    perturb(off)
+    ours = TransformerEncoder.from_official(off)
+    assert ours.norm.eps == 1e-3 and ours.norm.weight.dtype == torch.float64
+    x = torch.randn(B, L, E, dtype=torch.float64)
+    close(ours(x), off(x), 1e-12, "float64 output")
+    assert ours.to_official().norm.eps == 1e-3
+
+
+def test_layer_converters_keep_eps_and_dtype():
+    off = nn.TransformerEncoderLayer(
+        E, H, FF, 0.0, batch_first=True, layer_norm_eps=1e-3, dtype=torch.float64
+    )
+    perturb(off)
+    ours = TransformerEncoderLayer.from_official(off)
+    assert ours.norm1.eps == ours.norm2.eps == 1e-3 and ours.ffn[0].weight.dtype == torch.float64
+    x = torch.randn(B, L, E, dtype=torch.float64)
+    close(ours(x), off(x), 1e-12, "float64 output")
+    assert ours.to_official().norm2.eps == 1e-3
+
+
+def test_stack_layers_are_independent_copies():
+    enc = TransformerEncoder(3, E, H, FF, 0.0)
+    w = [lyr.self_attn.W_Q.weight for lyr in enc.layers]
+    f = [lyr.ffn[0].weight for lyr in enc.layers]
+    assert w[0].data_ptr() != w[1].data_ptr()
+    assert (w[0] - w[1]).abs().max().item() > 1e-3 and (f[1] - f[2]).abs().max().item() > 1e-3
+
+
+# ---------------------------------------------------------------- dropout
+
+
+def test_layer_train_mode_drops():
+    ours, _ = layer_pair("from_official", "gelu", False, dropout=0.2)
+    x = torch.randn(B, L, E)
+    ref = ours.eval()(x)
+    ours.train()
+    torch.manual_seed(1)
+    a = ours(x)
+    torch.manual_seed(1)
+    b = ours(x)
+    assert (a - ref).abs().max().item() > 1e-2
+    assert torch.equal(a, b)
+
+
+def record_dropout(monkeypatch):
+    """Count every F.dropout call (nn.Dropout goes through it) and every SDPA dropout_p."""
+    calls, sdpa_p = [], []
+    drop, sdpa = F.dropout, F.scaled_dot_product_attention
+
+    def counting_dropout(input, p=0.5, training=True, inplace=False):
+        if training and p > 0:
+            calls.append((tuple(input.shape), p))
+        return drop(input, p, training, inplace)
+
+    def counting_sdpa(*args, **kw):
+        sdpa_p.append(kw.get("dropout_p", args[4] if len(args) > 4 else 0.0))
+        return sdpa(*args, **kw)
+
+    monkeypatch.setattr(F, "dropout", counting_dropout)
+    monkeypatch.setattr(F, "scaled_dot_product_attention", counting_sdpa)
+    return calls, sdpa_p
+
+
+@pytest.mark.parametrize("norm_first", [False, True], ids=["post_norm", "pre_norm"])
+def test_each_sublayer_output_is_dropped_exactly_once(norm_first, monkeypatch):
+    """The article dropped the attention output twice (after W_O inside MHA, then on the residual) and
+    the FFN output twice (last Dropout of `ffn`, then on the residual). Ours, like PyTorch's, once each."""
+    p = 0.2
+    ours, off = layer_pair("from_official", "relu", norm_first, dropout=p)
+    ours.train()
+    off.train()
+    x = torch.randn(B, L, E)
+    calls, sdpa_p = record_dropout(monkeypatch)
+    ours(x)
+    ours_calls, ours_sdpa = list(calls), list(sdpa_p)
+    calls.clear()
+    sdpa_p.clear()
+    off(x)
+    # attention weights: inside SDPA; then dropout1 (B, L, E), FFN hidden (B, L, FF), dropout2 (B, L, E)
+    expected = [((B, L, E), p), ((B, L, FF), p), ((B, L, E), p)]
+    assert ours_calls == expected and ours_sdpa == [p]
+    assert calls == expected and sdpa_p == [p]  # nn.TransformerEncoderLayer does the same
+    calls.clear()
+    ours.eval()
+    ours(x)
+    assert calls == []
+
+
+@pytest.mark.parametrize("norm_first", [False, True], ids=["post_norm", "pre_norm"])
+@pytest.mark.parametrize("activation", ["relu", "gelu"])
+def test_train_mode_with_dropout_equals_official(activation, norm_first, monkeypatch):
+    """Same dropout masks => same numbers. F.dropout is replaced by a deterministic mask that depends only
+    on the element's logical index (official's residual dropout sees a transposed memory layout, so torch's
+    RNG would draw different masks for the same seed); the attention dropout inside SDPA keeps torch's RNG,
+    seeded identically. Outputs and all gradients then match official in train mode with p = 0.25."""
+    p = 0.25
+
+    def fixed_dropout(input, p=0.5, training=True, inplace=False):
+        if not training or p == 0:
+            return input
+        idx = torch.arange(input.numel()).view(input.shape)
+        keep = ((idx * 2654435761) % 1000) >= p * 1000  # ~75% kept, fixed pattern
+        return input * keep.to(input.dtype) / (1 - p)
+
+    monkeypatch.setattr(F, "dropout", fixed_dropout)
+    ours, off = layer_pair("from_official", activation, norm_first, dropout=p)
+    ours.train()
+    off.train()
+    causal, _, kpm = make_masks("causal_padding")
+    x0 = torch.randn(B, L, E)
+    g_out = torch.randn(B, L, E)
+    x, xo = x0.clone().requires_grad_(True), x0.clone().requires_grad_(True)
+    torch.manual_seed(11)
+    out = ours(x, src_mask=causal, src_key_padding_mask=kpm)
+    torch.manual_seed(11)
+    out_o = off(xo, src_mask=causal, src_key_padding_mask=kpm)
+    out.backward(g_out)
+    out_o.backward(g_out)
+    close(out, out_o, what="train-mode output")
+    close(x.grad, xo.grad, what="input grad")
+    assert_param_grads_equal(ours, off)
+    with torch.no_grad():
+        assert (out - ours.eval()(x0, src_mask=causal, src_key_padding_mask=kpm)).abs().max().item() > 1e-2
+
+
+# ---------------------------------------------------------------- bad inputs
+
+
+def test_bad_activation_is_refused_everywhere():
+    with pytest.raises(
+        ValueError, match=r"activation 'tanh' is not supported; choose one of \['gelu', 'relu'\]"
+    ):
+        TransformerEncoderLayer(E, H, FF, activation="tanh")
+    with pytest.raises(ValueError, match=r"activation 'tanh' is not supported"):
+        OfficialEncoder(1, E, H, FF, activation="tanh")
+
+
+def test_embed_dim_not_divisible_is_refused_everywhere():
+    with pytest.raises(ValueError, match=r"embed_dim \(18\) must be divisible by num_heads \(4\)"):
+        TransformerEncoderLayer(18, 4, FF)
+    with pytest.raises(ValueError, match=r"embed_dim \(18\) must be divisible by num_heads \(4\)"):
+        TransformerEncoder(2, 18, 4, FF)
+    with pytest.raises(ValueError, match=r"embed_dim \(18\) must be divisible by num_heads \(4\)"):
+        OfficialEncoder(2, 18, 4, FF)
+
+
+def test_zero_layers_is_refused():
+    with pytest.raises(ValueError, match=r"num_layers must be >= 1, got 0"):
+        TransformerEncoder(0, E, H, FF)
+
+
+def test_layer_from_official_refuses_what_it_cannot_copy():
+    with pytest.raises(ValueError, match=r"bias=True layers only"):
+        TransformerEncoderLayer.from_official(
+            nn.TransformerEncoderLayer(E, H, FF, batch_first=True, bias=False)
+        )
+    with pytest.raises(ValueError, match="batch_first=True"):
+        TransformerEncoderLayer.from_official(nn.TransformerEncoderLayer(E, H, FF, batch_first=False))
+    tanh_gelu = nn.TransformerEncoderLayer(E, H, FF, batch_first=True, activation=nn.GELU(approximate="tanh"))
+    with pytest.raises(ValueError, match="relu and exact gelu"):
+        TransformerEncoderLayer.from_official(tanh_gelu)
+    with pytest.raises(ValueError, match="relu and exact gelu"):
+        TransformerEncoderLayer.from_official(
+            nn.TransformerEncoderLayer(E, H, FF, batch_first=True, activation=torch.tanh)
+        )
+
+
+def test_layer_mask_errors_reach_the_user():
+    layer = TransformerEncoderLayer(E, H, FF)
+    x = torch.randn(B, L, E)
+    with pytest.raises(
+        ValueError, match=rf"attn_mask has shape \({L}, {L + 1}\).*Expected one of \({L}, {L}\)"
+    ):
+        layer(x, src_mask=torch.zeros(L, L + 1, dtype=torch.bool))
+    with pytest.raises(TypeError, match=r"key_padding_mask has dtype torch\.int64"):
+        layer(x, src_key_padding_mask=torch.zeros(B, L, dtype=torch.int64))

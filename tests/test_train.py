@@ -1,0 +1,231 @@
+"""Configs compose, runs train and write their results, resume, and refuse bad configs early."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning as L
+import pandas as pd
+import pytest
+import torch
+from hydra.utils import instantiate
+
+from conftest import CONF, REPO, compose_train
+from mhalab.attention import MultiHeadAttention
+from mhalab.config import ConfigError, validate
+from mhalab.train import build, run
+
+GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir() and p.name != "hydra")
+
+
+def _options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+
+
+@pytest.mark.parametrize("group,option", [(g, o) for g in GROUPS for o in _options(g)])
+def test_every_config_option_composes_and_instantiates(group, option, tmp_path, toy_data_dir):
+    cfg = compose_train([f"{group}={option}"], tmp_path, toy_data_dir, small_vocab=group != "data")
+    validate(cfg)
+    if group == "trainer":
+        kwargs = dict(cfg.trainer)
+        if kwargs.get("accelerator") == "gpu" and not torch.cuda.is_available():
+            kwargs.update(accelerator="cpu", precision="32-true", devices=1, strategy="auto")
+        if kwargs.get("accelerator") == "cpu" and kwargs.get("devices") == -1:
+            kwargs["devices"] = 2
+        if kwargs.get("strategy") == "ddp":
+            kwargs["strategy"] = "ddp_spawn"  # construct only; nothing is launched
+        assert isinstance(L.Trainer(**kwargs, logger=False), L.Trainer)
+    elif group == "logger":
+        for name, lcfg in cfg.logger.items():
+            if name == "wandb":
+                continue  # needs mhalab.loggers.prepare_wandb; tested below
+            assert type(instantiate(lcfg)).__name__.lower().startswith(name[:3])
+    elif group == "callbacks":
+        cbs = [instantiate(c) for c in cfg.callbacks.values() if c is not None]
+        assert {type(c).__name__ for c in cbs} >= {"ModelCheckpoint", "LearningRateMonitor"}
+    elif group == "data" and option in ("sst2",):
+        dm = instantiate(cfg.data)
+        assert dm.num_classes == 2
+
+
+def test_launcher_and_sweeper_plugins_compose(tmp_path):
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        for ov, key, want in [
+            (["hydra/launcher=joblib"], "_target_", "hydra_plugins.hydra_joblib_launcher"),
+            (["hydra/launcher=slurm"], "_target_", "hydra_plugins.hydra_submitit_launcher"),
+        ]:
+            cfg = compose("train", overrides=ov, return_hydra_config=True)
+            assert cfg.hydra.launcher[key].startswith(want)
+        cfg = compose("train", overrides=["hparams_search=optuna"], return_hydra_config=True)
+        assert "optuna" in cfg.hydra.sweeper._target_
+        assert set(cfg.hydra.sweeper.params) == {"heads", "dim", "dropout", "lr"}
+
+
+def test_heads_16_reaches_every_attention_module(tmp_path, toy_data_dir):
+    cfg = compose_train(["model=custom", "heads=16", "dim=64"], tmp_path, toy_data_dir, tmp_path / "cache")
+    _, module = build(cfg)
+    mhas = [m for m in module.modules() if isinstance(m, MultiHeadAttention)]
+    assert len(mhas) == cfg.layers and all(m.num_heads == 16 and m.head_dim == 4 for m in mhas)
+
+
+def test_official_model_builds_pytorch_encoder(tmp_path, toy_data_dir):
+    cfg = compose_train(["model=official", "heads=8"], tmp_path, toy_data_dir, tmp_path / "cache")
+    _, module = build(cfg)
+    layers = module.model.encoder.encoder.layers
+    assert isinstance(layers[0], torch.nn.TransformerEncoderLayer) and layers[0].self_attn.num_heads == 8
+
+
+def test_ff_dim_defaults_to_four_times_dim(tmp_path):
+    cfg = compose_train(["dim=48", "heads=4"], tmp_path)
+    assert cfg.model.ff_dim == 192 and compose_train(["ff_ratio=2", "dim=48"], tmp_path).model.ff_dim == 96
+
+
+@pytest.mark.parametrize("overrides,match", [
+    (["dim=100", "heads=16"], r"heads=16 does not divide dim=100"),
+    (["max_len=0"], r"max_len=0 must be >= 1"),
+    (["batch_size=0"], r"batch_size=0 must be >= 1"),
+    (["model.attention=sparse"], r"unknown model.attention 'sparse'; choose one of full, window"),
+    (["model.pos=relative"], r"unknown model.pos 'relative'; choose one of sinusoidal"),
+    (["model=official", "model.pos=rope"], r"model=official supports attention=full"),
+    (["lr=0"], r"lr=0(\.0)? must be > 0"),
+    (["ckpt_path=/nonexistent/last.ckpt"], r"ckpt_path=/nonexistent/last.ckpt does not exist"),
+])
+def test_bad_config_fails_before_data_is_read(overrides, match, tmp_path):
+    # the data dir does not exist: a config error must come first
+    cfg = compose_train(overrides, tmp_path, tmp_path / "no-data-here")
+    with pytest.raises(ConfigError, match=match):
+        build(cfg)
+
+
+def test_missing_data_dir_says_where_it_looked(tmp_path):
+    cfg = compose_train([], tmp_path, tmp_path / "no-data-here")
+    with pytest.raises(FileNotFoundError, match="no-data-here"):
+        build(cfg)
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory, toy_data_dir):
+    """One short real run on the toy data (2 epochs), shared by the tests that read its outputs."""
+    tmp = tmp_path_factory.mktemp("run")
+    cfg = compose_train(["max_epochs=2", "seed=3"], tmp / "out", toy_data_dir, tmp / "cache")
+    run(cfg)
+    return tmp / "out", cfg
+
+
+def test_run_writes_metrics_curves_and_checkpoints(trained_run):
+    out, _ = trained_run
+    rec = json.loads((out / "metrics.json").read_text())
+    assert rec["status"] == "finished" and rec["epochs"] == 2 and rec["params"] > 0
+    assert 0.5 < rec["best"]["val/acc"] <= 1.0 and 0.5 < rec["final"]["test/acc"] <= 1.0
+    assert rec["tokens_per_s"] > 0 and 0.0 <= rec["padding_fraction"] < 0.5
+    assert rec["config"]["model"]["heads"] == 4  # the resolved config is recorded
+    log = pd.read_csv(out / "logs" / "metrics.csv")
+    assert log["train/loss"].notna().sum() >= 2 and log["val/acc"].notna().sum() >= 2
+    png = (out / "loss_curves.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    assert (out / "checkpoints" / "last.ckpt").exists()
+    ckpt = torch.load(rec["best"]["checkpoint"], map_location="cpu", weights_only=False)
+    assert ckpt[ckpt["mhalab"]["datamodule_key"]]["tokenizer"].startswith("{") and ckpt["hyper_parameters"]["model"]["heads"] == 4
+
+
+def test_finished_run_is_not_overwritten(trained_run):
+    out, cfg = trained_run
+    before = (out / "metrics.json").read_text()
+    assert run(cfg) == json.loads(before)["best"]["val/acc"]
+    assert (out / "metrics.json").read_text() == before
+
+
+def test_resume_continues_the_global_step(trained_run, tmp_path):
+    out, cfg = trained_run
+    cfg = cfg.copy()
+    cfg.paths.output_dir = str(tmp_path / "resumed")
+    cfg.max_epochs = 3
+    cfg.trainer.max_epochs = 3
+    cfg.ckpt_path = str(out)  # a run dir: its checkpoints/last.ckpt
+    first = json.loads((out / "metrics.json").read_text())
+    run(cfg)
+    rec = json.loads((tmp_path / "resumed" / "metrics.json").read_text())
+    steps_per_epoch = first["global_step"] // 2
+    assert rec["global_step"] == first["global_step"] + steps_per_epoch
+
+
+def test_resume_with_another_model_shape_is_refused(trained_run, tmp_path):
+    out, cfg = trained_run
+    cfg = cfg.copy()
+    cfg.model.heads = 2
+    cfg.ckpt_path = str(out)
+    with pytest.raises(ConfigError, match=r"holds a model with heads=4, but the config has heads=2"):
+        validate(cfg)
+
+
+def test_debug_overfit_drives_the_loss_down(tmp_path, toy_data_dir):
+    cfg = compose_train(["debug=overfit", "max_epochs=25", "trainer.check_val_every_n_epoch=25"],
+                        tmp_path / "out", toy_data_dir, tmp_path / "cache")
+    run(cfg)
+    loss = pd.read_csv(tmp_path / "out" / "logs" / "metrics.csv")["train/loss"].dropna().to_numpy()
+    assert loss[-3:].mean() < 0.2 * loss[:3].mean(), loss
+
+
+def test_same_seed_same_numbers_other_seed_different(tmp_path, toy_data_dir):
+    results = []
+    for i, seed in enumerate([5, 5, 6]):
+        cfg = compose_train([f"seed={seed}", "max_epochs=1", "test_after_fit=false"], tmp_path / f"o{i}",
+                            toy_data_dir, tmp_path / "cache")
+        run(cfg)
+        rec = json.loads((tmp_path / f"o{i}" / "metrics.json").read_text())
+        results.append((rec["final"]["val/loss"], rec["final"]["val/acc"]))
+    assert results[0] == results[1]
+    assert results[0][0] != results[2][0]
+
+
+def _train_cmd(tmp: Path, data: Path, *extra: str) -> list[str]:
+    return [sys.executable, str(REPO / "train.py"), f"hydra.run.dir={tmp}", f"paths.data_dir={data}",
+            f"paths.cache_dir={tmp.parent / 'cache'}", "trainer=cpu", "trainer.enable_progress_bar=false",
+            "callbacks.progress_bar=null", "dim=32", "heads=4", "layers=1", "batch_size=16", "max_len=32",
+            "data.vocab_size=200", "data.min_frequency=1", *extra]
+
+
+def test_sigterm_saves_a_checkpoint_and_resume_matches_uninterrupted(tmp_path, toy_data_dir):
+    """Stop a run mid-epoch with SIGTERM (a cluster pre-emption); resuming ends with the same numbers."""
+    env = dict(os.environ, PYTHONHASHSEED="0")
+    common = ["max_epochs=2", "seed=11", "test_after_fit=false", "dropout=0.1"]
+    straight = tmp_path / "straight"
+    subprocess.run(_train_cmd(straight, toy_data_dir, *common), check=True, env=env, capture_output=True)
+
+    stopped = tmp_path / "stopped"
+    # debug=preempt sends SIGTERM to the run itself after global step 17 (mid-epoch 0 of 25 steps)
+    proc = subprocess.run(_train_cmd(stopped, toy_data_dir, *common, "debug=preempt", "callbacks.preempt.at_step=17"), env=env,
+                          capture_output=True, text=True)
+    assert proc.returncode != 0
+    rec = json.loads((stopped / "metrics.json").read_text())
+    assert rec["status"] == "interrupted" and "resume with ckpt_path" in rec["error"]
+    ckpt = torch.load(stopped / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    assert ckpt["global_step"] == 17
+
+    resumed = tmp_path / "resumed"
+    subprocess.run(_train_cmd(resumed, toy_data_dir, *common, f"ckpt_path={stopped}"), check=True, env=env,
+                   capture_output=True)
+    a = json.loads((straight / "metrics.json").read_text())
+    b = json.loads((resumed / "metrics.json").read_text())
+    assert a["global_step"] == b["global_step"]
+    for key in ("val/loss", "val/acc"):
+        assert abs(a["final"][key] - b["final"][key]) < 1e-6, (key, a["final"], b["final"])
+
+
+def test_ddp_cpu_runs_two_processes(tmp_path, toy_data_dir):
+    out = tmp_path / "ddp"
+    proc = subprocess.run(_train_cmd(out, toy_data_dir, "trainer=ddp_cpu", "max_epochs=1", "test_after_fit=false"),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Initializing distributed: GLOBAL_RANK: 1, MEMBER: 2/2" in proc.stderr + proc.stdout
+    rec = json.loads((out / "metrics.json").read_text())
+    # 400 train rows = 25 batches of 16, dealt to 2 ranks: 12 steps each (the odd batch, a different
+    # one each epoch, is left out so both ranks step together); one process alone would take 25
+    assert rec["status"] == "finished" and rec["global_step"] == 12
