@@ -229,3 +229,19 @@ def test_ddp_cpu_runs_two_processes(tmp_path, toy_data_dir):
     # 400 train rows = 25 batches of 16, dealt to 2 ranks: 12 steps each (the odd batch, a different
     # one each epoch, is left out so both ranks step together); one process alone would take 25
     assert rec["status"] == "finished" and rec["global_step"] == 12
+
+
+def test_eval_script_reproduces_the_runs_test_metrics_from_the_checkpoint_alone(trained_run):
+    out, _ = trained_run
+    rec = json.loads((out / "metrics.json").read_text())
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        from eval import evaluate
+    finally:
+        sys.path.pop(0)
+    res = evaluate(rec["best"]["checkpoint"], "test")
+    assert res["examples"] == 64
+    assert abs(res["test/acc"] - rec["final"]["test/acc"]) < 1e-6
+    assert abs(res["test/loss"] - rec["final"]["test/loss"]) < 1e-5
+    val = evaluate(rec["best"]["checkpoint"], "validation")
+    assert abs(val["validation/acc"] - rec["best"]["val/acc"]) < 1e-6

@@ -21,6 +21,7 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from hydra.utils import instantiate
+from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 
@@ -115,6 +116,8 @@ def _fit_and_test(cfg: DictConfig, out: Path, record: dict) -> tuple[L.Trainer, 
 
     loggers = _loggers(cfg, ckpt_path)
     callbacks = [instantiate(c) for c in (cfg.get("callbacks") or {}).values() if c is not None]
+    if not cfg.trainer.get("enable_progress_bar", True):  # Lightning refuses a bar callback then
+        callbacks = [c for c in callbacks if not isinstance(c, ProgressBar)]
     # always on: an interrupted run saves last.ckpt, and a resumed run continues exactly
     callbacks += [SaveOnInterrupt(out / "checkpoints"), ResumeState()]
     trainer = L.Trainer(**OmegaConf.to_container(cfg.trainer, resolve=True), logger=loggers,
