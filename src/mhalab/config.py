@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import secrets
 import time
@@ -24,8 +25,17 @@ def _run_id() -> str:
     return f"{time.strftime('%Y-%m-%d/%H-%M-%S')}_{os.getpid()}{secrets.token_hex(2)}"
 
 
+def _member_dir(override_dirname: str) -> str:
+    """A sweep member's dir name from its overrides: one path component, at most ~120 characters."""
+    name = override_dirname.replace(os.sep, "_") or "default"
+    if len(name) > 120:
+        name = f"{name[:100]}-{hashlib.sha1(name.encode()).hexdigest()[:10]}"
+    return name
+
+
 def register_resolvers() -> None:
     for name, fn in {
+        "member_dir": _member_dir,
         "repo_root": lambda: str(REPO_ROOT),
         "mul": lambda a, b: a * b,
         "auto_precision": _auto_precision,

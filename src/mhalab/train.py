@@ -124,7 +124,7 @@ def _fit_and_test(cfg: DictConfig, out: Path, record: dict) -> tuple[L.Trainer, 
                         callbacks=callbacks, default_root_dir=str(out))
     for lg in loggers:
         if hasattr(lg, "experiment") and type(lg).__name__ == "WandbLogger" and trainer.is_global_zero:
-            module.extra_checkpoint["wandb_id"] = lg.experiment.id
+            module.extra_checkpoint["wandb_id"] = record["wandb_id"] = lg.experiment.id
 
     t_fit = time.time()
     trainer.fit(module, datamodule=dm, ckpt_path=ckpt_path)

@@ -1,0 +1,117 @@
+"""Numerical faults, failed sweep members, re-runs that lose nothing, wandb that resumes its run."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import lightning as L
+import pandas as pd
+import pytest
+import torch
+
+from conftest import REPO, compose_train
+from mhalab.loggers import prepare_wandb
+from mhalab.model import SequenceClassifier
+from mhalab.module import NonFiniteLossError
+from mhalab.train import run
+
+
+class PoisonWeights(L.Callback):
+    """Turn one weight into NaN before global step `at_step`: the next loss is NaN."""
+
+    def __init__(self, at_step: int):
+        self.at_step = at_step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == self.at_step:
+            with torch.no_grad():
+                pl_module.model.head.weight[0, 0] = float("nan")
+
+
+def test_nan_loss_stops_naming_the_step_and_keeps_the_last_good_checkpoint(tmp_path, toy_data_dir):
+    out = tmp_path / "out"
+    # 13 steps per epoch: epoch 0 ends with a good last.ckpt, the weights turn NaN at step 20
+    cfg = compose_train(["max_epochs=3", "+callbacks.poison._target_=test_reliability.PoisonWeights",
+                         "+callbacks.poison.at_step=20"], out, toy_data_dir, tmp_path / "cache")
+    with pytest.raises(NonFiniteLossError, match=r"loss is nan at global step 20 .* Try a lower lr .*bf16-mixed"):
+        run(cfg)
+    rec = json.loads((out / "metrics.json").read_text())
+    assert rec["status"] == "failed" and "global step 20" in rec["error"]
+    ckpt = torch.load(out / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    assert ckpt["global_step"] == 13  # saved at the end of epoch 0, not overwritten by the NaN
+    assert all(torch.isfinite(v).all() for v in ckpt["state_dict"].values() if v.is_floating_point())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("attention", ["full", "window"])
+def test_autocast_with_fully_padded_sequences_gives_finite_logits_and_grads(dtype, attention):
+    torch.manual_seed(0)
+    m = SequenceClassifier(50, 3, dim=32, heads=4, layers=2, ff_dim=64, max_len=16, attention=attention,
+                           attention_options={"window": 4} if attention == "window" else None)
+    ids = torch.randint(1, 50, (3, 10))
+    pad = torch.zeros(3, 10, dtype=torch.bool)
+    pad[1, 4:] = True
+    pad[2] = True  # every key of this sequence is padding: a fully masked row in every layer
+    with torch.autocast("cpu", dtype=dtype):
+        logits = m(ids, pad)
+    assert logits.dtype == dtype and torch.isfinite(logits).all()
+    logits.float().sum().backward()
+    assert all(torch.isfinite(p.grad).all() for p in m.parameters() if p.grad is not None)
+
+
+def _sweep(tmp_path, data, *overrides) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, str(REPO / "train.py"), "-m", f"hydra.sweep.dir={tmp_path / 'sweep'}",
+           f"paths.data_dir={data}", f"paths.cache_dir={tmp_path / 'cache'}", "trainer=cpu",
+           "trainer.enable_progress_bar=false", "heads=4", "layers=1", "batch_size=32", "max_len=32",
+           "max_epochs=1", "data.vocab_size=200", "data.min_frequency=1", *overrides]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+
+
+def test_sweep_with_an_invalid_member_finishes_the_rest_reports_and_reruns_skip_finished(tmp_path,
+                                                                                           toy_data_dir):
+    proc = _sweep(tmp_path, toy_data_dir, "dim=32,30")  # 30 is not divisible by 4 heads
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    sweep = tmp_path / "sweep"
+    name = "batch_size=32,data.min_frequency=1,data.vocab_size=200,dim={},heads=4,layers=1,max_epochs=1,max_len=32"
+    good, bad = sweep / name.format(32), sweep / name.format(30)
+    assert json.loads((good / "metrics.json").read_text())["status"] == "finished"
+    failed = json.loads((bad / "metrics.json").read_text())
+    assert failed["status"] == "failed" and "heads=4 does not divide dim=30" in failed["error"]
+    table = pd.read_csv(sweep / "results.csv")
+    assert len(table) == 2 and sorted(table["status"]) == ["failed", "finished"]
+    assert "heads=4 does not divide dim=30" in (sweep / "report.md").read_text()
+
+    finished_before = (good / "metrics.json").read_text()
+    ckpts_before = sorted(p.name for p in (good / "checkpoints").iterdir())
+    proc = _sweep(tmp_path, toy_data_dir, "dim=32,30")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "already finished; skipping" in proc.stdout + proc.stderr
+    assert (good / "metrics.json").read_text() == finished_before  # untouched, not re-trained
+    assert sorted(p.name for p in (good / "checkpoints").iterdir()) == ckpts_before
+
+
+def test_wandb_is_offline_without_a_key_and_resumes_the_checkpoints_run(tmp_path, monkeypatch):
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc either
+    ckpt = tmp_path / "last.ckpt"
+    torch.save({"mhalab": {"wandb_id": "abc123"}}, ckpt)
+    kwargs = prepare_wandb({"project": "mhalab", "group": None}, str(ckpt), multirun=False)
+    assert kwargs["offline"] is True and kwargs["id"] == "abc123" and kwargs["resume"] == "allow"
+    assert "id" not in prepare_wandb({"project": "mhalab"}, None, multirun=False)
+
+
+@pytest.mark.slow
+def test_wandb_offline_run_resumes_with_the_same_run_id(tmp_path, toy_data_dir, monkeypatch):
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb"))
+    first = compose_train(["logger=wandb", "max_epochs=1", "test_after_fit=false"], tmp_path / "a",
+                          toy_data_dir, tmp_path / "cache")
+    run(first)
+    resumed = compose_train(["logger=wandb", "max_epochs=2", "test_after_fit=false", f"ckpt_path={tmp_path / 'a'}"],
+                            tmp_path / "b", toy_data_dir, tmp_path / "cache")
+    run(resumed)
+    a = json.loads((tmp_path / "a" / "metrics.json").read_text())
+    b = json.loads((tmp_path / "b" / "metrics.json").read_text())
+    assert a["wandb_id"] and a["wandb_id"] == b["wandb_id"]
