@@ -209,11 +209,12 @@ def test_sigterm_saves_a_checkpoint_and_resume_matches_uninterrupted(tmp_path, t
     ckpt = torch.load(stopped / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
     assert ckpt["global_step"] == 17
 
-    resumed = tmp_path / "resumed"
-    subprocess.run(_train_cmd(resumed, toy_data_dir, *common, f"ckpt_path={stopped}"), check=True, env=env,
-                   capture_output=True)
+    # the same command again, as a sweep re-run or a requeued cluster job does: it resumes by itself
+    # (ckpt_path=<run dir> does the same from another dir; see test_resume_continues_the_global_step)
+    proc = subprocess.run(_train_cmd(stopped, toy_data_dir, *common), env=env, capture_output=True, text=True)
+    assert proc.returncode == 0 and "was interrupted; resuming from" in proc.stdout + proc.stderr
     a = json.loads((straight / "metrics.json").read_text())
-    b = json.loads((resumed / "metrics.json").read_text())
+    b = json.loads((stopped / "metrics.json").read_text())
     assert a["global_step"] == b["global_step"]
     for key in ("val/loss", "val/acc"):
         assert abs(a["final"][key] - b["final"][key]) < 1e-6, (key, a["final"], b["final"])

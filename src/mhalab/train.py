@@ -23,7 +23,7 @@ from hydra.types import RunMode
 from hydra.utils import instantiate
 from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.utilities.exceptions import SIGTERMException
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from mhalab.callbacks import ResumeState, SaveOnInterrupt
 from mhalab.config import resolve_ckpt_path, validate
@@ -58,6 +58,12 @@ def run(cfg: DictConfig) -> float:
             # a sweep re-run into the same dir: this member is done; never overwrite it
             log.info("%s already finished; skipping (delete it to re-run)", out)
             return float(previous.get("best", {}).get("val/acc", float("nan")))
+        last = out / "checkpoints" / "last.ckpt"
+        if previous.get("status") in ("interrupted", "running") and last.exists() and not cfg.get("ckpt_path"):
+            # stopped (pre-empted, killed) in an earlier attempt: continue it rather than start over
+            log.info("%s was %s; resuming from %s", out, previous["status"], last)
+            with open_dict(cfg):
+                cfg.ckpt_path = str(last)
     record = {
         "status": "running", "error": None, "overrides": _overrides(), "seed": int(cfg.seed),
         "config": OmegaConf.to_container(cfg, resolve=True), "output_dir": str(out),
