@@ -98,6 +98,8 @@ def run(cfg: DictConfig) -> float:
 def build(cfg: DictConfig) -> tuple[L.LightningDataModule, Classifier]:
     """Validate the config, then make the datamodule (data read, tokenizer ready) and the model."""
     validate(cfg)  # cheap checks before any data is read
+    if cfg.get("num_threads"):
+        torch.set_num_threads(int(cfg.num_threads))
     L.seed_everything(int(cfg.seed), workers=True)
     dm = instantiate(cfg.data)
     dm.prepare_data()
