@@ -80,6 +80,18 @@ def test_rope_rejects_odd_head_dim_and_long_sequences():
 
 
 # ---------------------------------------------------------------------------------------- ALiBi
+def test_rope_modules_move_and_cast_like_any_module():
+    # regression: a static `_apply` on RotaryEmbedding once shadowed nn.Module._apply, so .to(),
+    # .double() and load_from_checkpoint(map_location=...) raised TypeError for pos=rope models
+    mha = MultiHeadAttention(16, 2, **attention_parts("full", "rope", embed_dim=16, num_heads=2, max_len=8,
+                                                      dropout=0.0))
+    x = torch.randn(1, 5, 16)
+    out = mha(x)[0]
+    moved = mha.to("cpu").double()
+    assert moved(x.double())[0].dtype == torch.float64
+    torch.testing.assert_close(moved(x.double())[0].float(), out, atol=1e-5, rtol=1e-5)
+
+
 def test_alibi_slopes_match_the_paper():
     assert alibi_slopes(8) == pytest.approx([1 / 2, 1 / 4, 1 / 8, 1 / 16, 1 / 32, 1 / 64, 1 / 128, 1 / 256])
     expected_12 = [

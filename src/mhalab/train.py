@@ -27,6 +27,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from mhalab.callbacks import ResumeState, SaveOnInterrupt
 from mhalab.config import resolve_ckpt_path, validate
+from mhalab.lra import peak_memory_mb, reset_peak_memory
 from mhalab.module import Classifier
 
 log = logging.getLogger("mhalab")
@@ -134,9 +135,11 @@ def _fit_and_test(cfg: DictConfig, out: Path, record: dict) -> tuple[L.Trainer, 
         if hasattr(lg, "experiment") and type(lg).__name__ == "WandbLogger" and trainer.is_global_zero:
             module.extra_checkpoint["wandb_id"] = record["wandb_id"] = lg.experiment.id
 
+    reset_peak_memory(trainer.strategy.root_device)
     t_fit = time.time()
     trainer.fit(module, datamodule=dm, ckpt_path=ckpt_path)
     fit_s = time.time() - t_fit
+    peak_mb, peak_kind = peak_memory_mb(trainer.strategy.root_device)
     if trainer.interrupted:
         raise KeyboardInterrupt(f"run interrupted at global step {trainer.global_step}; "
                                 f"resume with ckpt_path={out}")
@@ -156,7 +159,7 @@ def _fit_and_test(cfg: DictConfig, out: Path, record: dict) -> tuple[L.Trainer, 
     real, pads = (int(x) for x in module.token_counts.cpu() * trainer.world_size)
     record.update(
         params=params, epochs=trainer.current_epoch, global_step=trainer.global_step, best=best, final=final,
-        fit_time_s=fit_s, train_tokens=real,
+        fit_time_s=fit_s, train_tokens=real, peak_mem_mb=peak_mb, peak_mem_kind=peak_kind,
         tokens_per_s=real / fit_s if fit_s > 0 else math.nan,  # real (non-pad) tokens per second of fit()
         padding_fraction=pads / max(1, real + pads),
         device=str(trainer.strategy.root_device),

@@ -133,9 +133,9 @@ def generate_examples(n: int, seed: int = 0, min_length: int = 500, max_length: 
 
 def generator_settings(num_train: int, num_validation: int, num_test: int, min_length: int, max_length: int,
                        max_depth: int, max_args: int, seed: int) -> dict:
-    return dict(version=GENERATOR_VERSION, operators=list(OPERATORS), value_p=VALUE_P, num_train=num_train,
-                num_validation=num_validation, num_test=num_test, min_length=min_length, max_length=max_length,
-                max_depth=max_depth, max_args=max_args, seed=seed)
+    return {"version": GENERATOR_VERSION, "operators": list(OPERATORS), "value_p": VALUE_P, "num_train": num_train,
+                "num_validation": num_validation, "num_test": num_test, "min_length": min_length, "max_length": max_length,
+                "max_depth": max_depth, "max_args": max_args, "seed": seed}
 
 
 def _write_once(path: Path, text: str) -> None:
@@ -202,9 +202,9 @@ class ListOpsDataModule(SubsetDataModule):
                     "label_names", "dev_split", "data_dir", "hub"):
             if kwargs.pop(key, None) is not None:
                 log.warning("listops: ignoring data.%s (set by the generator)", key)
-        self.generator = dict(num_train=num_train, num_validation=num_validation, num_test=num_test,
-                              min_length=min_length, max_length=max_length, max_depth=max_depth, max_args=max_args,
-                              seed=generator_seed)
+        self.generator = {"num_train": num_train, "num_validation": num_validation, "num_test": num_test,
+                              "min_length": min_length, "max_length": max_length, "max_depth": max_depth, "max_args": max_args,
+                              "seed": generator_seed}
         super().__init__(
             name=name, files={s: f"{s}.tsv" for s in SPLITS}, text_column=SOURCE, label_column=TARGET,
             num_classes=10, format="csv", delimiter="\t", quoting=3, tokenizer_kind=tokenizer_kind,

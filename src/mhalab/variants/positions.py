@@ -60,10 +60,11 @@ class RotaryEmbedding(nn.Module):
             )
         cos, sin = self.tables(x.device)
         idx = positions.to(x.device)
-        return self._apply(x, cos[idx], sin[idx])
+        return self._rotate_pairs(x, cos[idx], sin[idx])
 
     @staticmethod
-    def _apply(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    def _rotate_pairs(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        # (not `_apply`: that name is nn.Module._apply, which .to() / .cuda() / .float() call)
         # x: (..., L, d); cos, sin: (L, d/2). Rotation in (at least) float32, result in x's dtype.
         dt = torch.promote_types(x.dtype, torch.float32)
         xf, cos, sin = x.to(dt), cos.to(dt), sin.to(dt)
@@ -77,7 +78,7 @@ class RotaryEmbedding(nn.Module):
         if max(L_q, L_k) > self.max_len:
             raise ValueError(f"sequence length {max(L_q, L_k)} exceeds max_len {self.max_len} of RoPE.")
         cos, sin = self.tables(q.device)
-        return self._apply(q, cos[:L_q], sin[:L_q]), self._apply(k, cos[:L_k], sin[:L_k])
+        return self._rotate_pairs(q, cos[:L_q], sin[:L_q]), self._rotate_pairs(k, cos[:L_k], sin[:L_k])
 
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}, max_len={self.max_len}, base={self.base}"

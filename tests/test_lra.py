@@ -1,0 +1,175 @@
+"""Long-sequence benchmark plumbing: stratified subsets, byte-level IMDB, the sweep presets, PerfMonitor
+(time per step, peak memory) and the LRA table."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import lightning as L
+import numpy as np
+import pytest
+import torch
+from conftest import SHARED_DATA, compose_train
+from torch.utils.data import DataLoader
+
+from mhalab.data import Collate
+from mhalab.data.subset import SubsetDataModule
+from mhalab.lra import LRA_PAPER, PerfMonitor, peak_memory_mb, reset_peak_memory, write_lra_table
+from mhalab.module import Classifier
+
+IMDB = SHARED_DATA / "imdb" / "train.jsonl.gz"
+
+
+def _sorted_by_label(root: Path, n=200) -> Path:
+    d = root / "toy"
+    d.mkdir(parents=True)
+    for split in ("train", "test"):
+        rows = ["text\tlabel"] + [f"{'good' if i >= n // 2 else 'bad'} film number {i}\t{int(i >= n // 2)}"
+                                  for i in range(n)]  # all 0s then all 1s, like IMDB
+        (d / f"{split}.tsv").write_text("\n".join(rows) + "\n")
+    return root
+
+
+def _subset_dm(root, **kw):
+    args = {"name": "toy", "data_dir": str(root), "files": {"train": "toy/train.tsv", "test": "toy/test.tsv"},
+                "delimiter": "\t", "num_classes": 2, "dev_split": 0.2, "tokenizer_kind": "bytes", "cache_dir": str(root / "cache"),
+                "max_len": 64, "batch_size": 8}
+    return SubsetDataModule(**(args | kw))
+
+
+def test_subsets_are_stratified_seeded_and_cached_apart(tmp_path):
+    root = _sorted_by_label(tmp_path)
+    dm = _subset_dm(root, max_examples={"train": 40, "validation": 10, "test": 20})
+    dm.prepare_data()
+    dm.setup("fit")
+    sizes = {s: len(d) for s, d in dm.splits.items()}
+    assert sizes == {"train": 40, "validation": 10, "test": 20}
+    for split in dm.splits.values():  # both classes, equally (a head of the file would be one class)
+        counts = np.bincount(split.labels.numpy(), minlength=2)
+        assert counts[0] == counts[1]
+    full = _subset_dm(root)
+    full.prepare_data()
+    full.setup("fit")
+    assert {s: len(d) for s, d in full.splits.items()} == {"train": 160, "validation": 40, "test": 200}
+    assert full._cache_paths()[1] != dm._cache_paths()[1]
+    again = _subset_dm(root, max_examples={"train": 40, "validation": 10, "test": 20})
+    again.prepare_data()
+    again.setup("fit")
+    assert torch.equal(again.splits["train"].ids, dm.splits["train"].ids)
+    with pytest.raises(ValueError, match="max_examples"):
+        _subset_dm(root, max_examples={"dev": 3})
+    with pytest.raises(ValueError, match="max_examples"):
+        _subset_dm(root, max_examples={"train": 0})
+
+
+@pytest.mark.skipif(not IMDB.is_file(), reason="needs ../shared/data/imdb")
+def test_imdb_bytes_config_reads_bytes_with_a_stratified_dev_split(tmp_path):
+    from hydra.utils import instantiate
+
+    cfg = compose_train(["data=imdb_bytes", "max_len=1024", "data.max_examples={train: 60, validation: 20, test: 20}"],
+                        tmp_path / "out", data_dir=SHARED_DATA, cache=tmp_path / "cache", small_vocab=False)
+    assert cfg.data.tokenizer_kind == "bytes" and cfg.data.dev_split == 0.1 and cfg.model.max_len == 1024
+    dm = instantiate(cfg.data)
+    dm.prepare_data()
+    dm.setup("fit")
+    assert dm.vocab_size == 260
+    for split in ("train", "validation", "test"):
+        counts = np.bincount(dm.splits[split].labels.numpy(), minlength=2)
+        assert counts[0] == counts[1] > 0, (split, counts)
+    ids, _ = dm.splits["train"][0]
+    assert ids[0] == 2 and len(ids) <= 1024
+    text = bytes(int(i) - 4 for i in ids[1:-1]).decode("utf-8", errors="replace")
+    assert len(text) > 100 and " " in text  # raw bytes of a review, spaces kept
+
+
+def test_sweep_presets_compose(tmp_path):
+    from hydra import compose, initialize_config_dir
+
+    def cfg_for(*overrides):
+        return compose("train", overrides=[*overrides, f"paths.output_dir={tmp_path}"], return_hydra_config=True)
+
+    with initialize_config_dir(config_dir=str(Path(__file__).parents[1] / "conf"), version_base="1.3"):
+        for data, max_len in (("listops", 512), ("imdb_bytes", 1024)):
+            for kind in ("full", "performer"):
+                cfg = cfg_for("sweep=lra", f"data={data}", f"model.attention={kind}")
+                assert (cfg.model.dim, cfg.model.heads, cfg.model.layers) == (64, 4, 2)
+                assert cfg.model.max_len == cfg.data.max_len == max_len and cfg.model.attention == kind
+                assert cfg.data.max_examples.train == {"listops": 1000, "imdb_bytes": 400}[data]
+                assert cfg.trainer.accelerator == "cpu" and cfg.data.batch_size == 16
+                assert cfg.callbacks.perf._target_ == "mhalab.lra.PerfMonitor"
+        assert cfg.hydra.mode.name == "MULTIRUN"
+        assert set(cfg.hydra.sweeper.params) == {"data", "model.attention"}
+        for data, dim, steps, max_len in (("listops_lra", 512, 5000, 2048), ("imdb_bytes_lra", 256, 20000, 4096)):
+            cfg = cfg_for("sweep=lra_gpu", f"data={data}")
+            assert (cfg.model.dim, cfg.trainer.max_steps, cfg.model.max_len, cfg.data.max_len) == (
+                dim, steps, max_len, max_len)
+        assert cfg_for("data=listops_lra").data.num_train == 96000
+        cfg = cfg_for("callbacks=attention_maps")
+        assert {"model_checkpoint", "attention_maps"} <= set(cfg.callbacks)
+
+
+def test_peak_memory_window_resets():
+    reset_peak_memory()
+    big = np.ones(200 * 2**20 // 8)  # 200 MB
+    high, kind = peak_memory_mb()
+    del big
+    if kind != "cpu_peak_rss":
+        pytest.skip("no /proc/self/status peak on this system")
+    assert reset_peak_memory()
+    low, _ = peak_memory_mb()
+    assert high - low > 150
+
+
+def test_perf_monitor_writes_perf_json(tmp_path):
+    module = Classifier(model={"dim": 16, "heads": 2, "layers": 1, "ff_dim": 32, "max_len": 16}, vocab_size=20, num_classes=2)
+    items = [(torch.randint(4, 20, (12,)), i % 2) for i in range(48)]
+    mon = PerfMonitor(warmup=2)
+    trainer = L.Trainer(max_epochs=1, accelerator="cpu", logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[mon],
+                        default_root_dir=str(tmp_path))
+    trainer.fit(module, DataLoader(items, batch_size=8, collate_fn=Collate(0)))
+    perf = json.loads((tmp_path / "perf.json").read_text())
+    assert perf["steps_timed"] == 4 and perf["step_time_s"] > 0 and perf["peak_mem_mb"] > 10
+    assert perf["peak_mem_kind"] in ("cpu_peak_rss", "cpu_lifetime_peak_rss")
+    assert trainer.callback_metrics["perf/step_ms"] > 0
+
+
+def _fake_member(root: Path, task: str, kind: str, acc: float, status: str = "finished") -> None:
+    d = root / f"data={task},model.attention={kind}"
+    d.mkdir(parents=True)
+    metrics = {"status": status, "error": None if status == "finished" else "RuntimeError: boom", "seed": 0,
+               "config": {"model": {"attention": kind, "dim": 64, "heads": 4, "layers": 2, "attention_options": {}},
+                          "data": {"name": task, "max_len": 512, "batch_size": 32}},
+               "final": {"test/acc": acc}, "best": {"val/acc": acc + 0.01}, "global_step": 10, "fit_time_s": 20.0,
+               "tokens_per_s": 1000.0, "params": 1234}
+    (d / "metrics.json").write_text(json.dumps(metrics))
+    (d / "perf.json").write_text(json.dumps({"step_time_s": 0.5, "peak_mem_mb": 800.0, "peak_mem_kind": "cpu_peak_rss",
+                                             "baseline_mem_mb": 500.0, "device_name": "cpu"}))
+
+
+def test_lra_table_from_a_sweep_dir(tmp_path):
+    _fake_member(tmp_path, "listops", "full", 0.2)
+    _fake_member(tmp_path, "listops", "performer", 0.15)
+    _fake_member(tmp_path, "imdb_bytes", "full", 0.55)
+    _fake_member(tmp_path, "imdb_bytes", "window", 0.0, status="failed")
+    res = write_lra_table(tmp_path, tmp_path / "out" / "README.md")
+    md = Path(res["markdown"]).read_text()
+    assert "| full | 20.00 | 500 | 800 | 55.00 | 500 | 800 | Transformer 36.37 / 64.27 |" in md
+    assert "| window | – | – | – | failed | – | – | Local Attention 15.82 / 52.98; Longformer 35.63 / 62.85 |" in md
+    assert "Performer 18.01 / 65.40" in md and "Different scale" in md and "RuntimeError: boom" in md
+    assert Path(res["plot"]).read_bytes()[:4] == b"\x89PNG"
+    assert set(LRA_PAPER) == {"full", "window", "linformer", "performer"}
+    with pytest.raises(FileNotFoundError):
+        write_lra_table(tmp_path / "empty")
+
+
+def test_interleaved_retiming_covers_every_kind():
+    from mhalab.lra import interleaved_step_times, render_retiming
+
+    cfg = {"dim": 16, "heads": 2, "layers": 1, "ff_dim": 32, "max_len": 16,
+           "attention_options": {"window": 4, "linformer_k": 4, "performer_features": 8}}
+    times = interleaved_step_times(cfg, seq_len=32, batch=2, reps=1, warmup=0)
+    assert set(times) == {"full", "window", "linformer", "performer"} and all(t > 0 for t in times.values())
+    md = render_retiming({32: times}, batch=2, reps=1)
+    assert "| full | " in md and "(1.00x)" in md and "L = 32" in md
