@@ -160,7 +160,10 @@ def _is_seed_override(override: str) -> bool:
 
 def setting_of(overrides: Iterable[str]) -> str:
     """The swept setting: the overrides minus seed (and hydra.* ones), space-joined."""
-    kept = [o for o in overrides if not _is_seed_override(o) and not _override_key(o).startswith("hydra.")]
+    # the preset's own name (sweep=heads) and launch settings say nothing about the setting itself
+    skip = ("sweep", "hparams_search", "hydra/launcher", "trainer", "logger", "debug")
+    kept = [o for o in overrides if not _is_seed_override(o) and not _override_key(o).startswith("hydra.")
+            and _override_key(o).lstrip("+~") not in skip and not _override_key(o).startswith("paths.")]
     return " ".join(kept) if kept else "(default)"
 
 
