@@ -29,7 +29,15 @@ def _options(group: str) -> list[str]:
 
 @pytest.mark.parametrize("group,option", [(g, o) for g in GROUPS for o in _options(g)])
 def test_every_config_option_composes_and_instantiates(group, option, tmp_path, toy_data_dir):
-    cfg = compose_train([f"{group}={option}"], tmp_path, toy_data_dir, small_vocab=group != "data")
+    overrides = [f"{group}={option}"]
+    if group == "sweep":  # compose a real member: the first value of each swept parameter
+        from hydra import compose, initialize_config_dir
+
+        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+            params = compose("train", overrides=overrides, return_hydra_config=True).hydra.sweeper.params or {}
+        overrides += [f"{k}={str(v).split(',')[0]}" for k, v in params.items()]
+    small = group not in ("data", "sweep") and not any(o.startswith("data=") for o in overrides)
+    cfg = compose_train(overrides, tmp_path, toy_data_dir, small_vocab=small)
     validate(cfg)
     if group == "trainer":
         kwargs = dict(cfg.trainer)
