@@ -14,6 +14,7 @@ import logging
 import math
 import os
 import time
+import warnings
 from pathlib import Path
 
 import lightning as L
@@ -31,6 +32,9 @@ from mhalab.lra import peak_memory_mb, reset_peak_memory
 from mhalab.module import Classifier
 
 log = logging.getLogger("mhalab")
+# Lightning warns on every mid-epoch resume that the dataloader is "not resumable": ours is restored by
+# the datamodule's state_dict (the sampler skips the batches already trained on; tests/test_data.py)
+warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch ended")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # tokenizers' threads + DataLoader workers: warnings
 
 
