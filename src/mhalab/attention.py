@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from mhalab.masks import dead_rows, merge_masks, to_additive
+from mhalab.masks import Unpadding, dead_rows, merge_masks, to_additive
 
 
 class ScaledDotProductAttention(nn.Module):
@@ -35,15 +35,21 @@ class ScaledDotProductAttention(nn.Module):
         if mask is not None and (mask.dtype == torch.bool or mask.dtype != Q.dtype):
             mask = to_additive(mask, "mask", Q.dtype)
         dead = dead_rows(mask)
+        if dead is not None and dead.device.type == "cpu" and not dead.any():
+            # nothing to zero: skip the two masked_fill copies below (the fused path's is a full copy
+            # of the output). On a GPU this check would cost a host sync, so there we always zero.
+            dead = None
         if dead is not None:
             mask = mask.masked_fill(dead, 0.0)  # keep softmax finite; the row is zeroed below
 
         if need_weights:
-            scores = Q @ K.transpose(-2, -1) / math.sqrt(Q.size(-1))  # (..., L_q, L_k)
+            # scale q (L_q x d numbers) rather than the scores (L_q x L_k), as PyTorch's MHA does
+            scores = (Q * (1.0 / math.sqrt(Q.size(-1)))) @ K.transpose(-2, -1)  # (..., L_q, L_k)
             if mask is not None:
                 scores = scores + mask
-            # softmax in float32: bf16/fp16 scores lose too much precision in exp/sum
-            weights = F.softmax(scores, dim=-1, dtype=torch.float32).to(Q.dtype)
+            # softmax in at least float32: bf16/fp16 scores lose too much precision in exp/sum
+            # (float64 stays float64)
+            weights = F.softmax(scores, dim=-1, dtype=torch.promote_types(Q.dtype, torch.float32)).to(Q.dtype)
             if dead is not None:
                 weights = weights.masked_fill(dead, 0.0)
             weights = self.dropout(weights)
@@ -63,6 +69,8 @@ class MultiHeadAttention(nn.Module):
     forward(Q, K=None, V=None, key_padding_mask=None, attn_mask=None, need_weights=True)
       -> (output (B, L_q, E), weights (B, H, L_q, L_k) or None)
     Inputs are batch-first. K and V default to Q (self-attention).
+    forward(x, attn_mask=None, need_weights=..., unpad=Unpadding(key_padding_mask)) is self-attention
+    on packed tokens x (N, E) -> ((N, E), weights), as TransformerEncoder runs it (see masks.Unpadding).
     `attention` swaps the kernel (see mhalab.variants); `rotary` rotates q and k (RoPE);
     `position_bias` adds a (H, L_q, L_k) bias to the scores (ALiBi, T5).
     """
@@ -110,12 +118,21 @@ class MultiHeadAttention(nn.Module):
         if self.W_O.bias is not None:
             nn.init.zeros_(self.W_O.bias)
 
+    def _in_proj(self, x: Tensor) -> Tensor:
+        """Self-attention's three projections as one (E -> 3E) matmul: (..., E) -> (..., 3E) = [q | k | v].
+
+        Same numbers as W_Q, W_K, W_V applied one by one, with one kernel call (and one pass over x)
+        instead of three. The (3E, E) weight is concatenated on each call, which keeps W_Q/W_K/W_V
+        plain nn.Linear modules (the article's names, and what the converters copy); the copy costs
+        3*E^2 floats against the matmul's N*3E^2 multiply-adds.
+        """
+        w = torch.cat([self.W_Q.weight, self.W_K.weight, self.W_V.weight])
+        b = None if self.W_Q.bias is None else torch.cat([self.W_Q.bias, self.W_K.bias, self.W_V.bias])
+        return F.linear(x, w, b)
+
     def _project(self, Q: Tensor, K: Tensor, V: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         if K is Q and V is Q:
-            # self-attention: one (E -> 3E) matmul instead of three; same numbers, fewer kernel calls
-            w = torch.cat([self.W_Q.weight, self.W_K.weight, self.W_V.weight])
-            b = None if self.W_Q.bias is None else torch.cat([self.W_Q.bias, self.W_K.bias, self.W_V.bias])
-            return F.linear(Q, w, b).chunk(3, dim=-1)
+            return self._in_proj(Q).chunk(3, dim=-1)
         return self.W_Q(Q), self.W_K(K), self.W_V(V)
 
     def forward(
@@ -126,7 +143,15 @@ class MultiHeadAttention(nn.Module):
         key_padding_mask: Tensor | None = None,
         attn_mask: Tensor | None = None,
         need_weights: bool = True,
+        unpad: Unpadding | None = None,
     ) -> tuple[Tensor, Tensor | None]:
+        if unpad is not None:  # packed self-attention, Q: (N, E) real tokens (see _forward_packed)
+            if K is not None or V is not None or key_padding_mask is not None:
+                raise ValueError(
+                    "with unpad=..., Q holds the packed tokens of a self-attention: pass no K, V or "
+                    "key_padding_mask (the mask is the one unpad was built from)."
+                )
+            return self._forward_packed(Q, unpad, attn_mask, need_weights)
         K = Q if K is None else K
         V = K if V is None else V
         for name, t in (("Q", Q), ("K", K), ("V", V)):
@@ -135,8 +160,7 @@ class MultiHeadAttention(nn.Module):
                     f"{name} has shape {tuple(t.shape)}; expected (batch, seq_len, embed_dim={self.embed_dim}) "
                     f"(inputs are batch-first)."
                 )
-        B, L_q, _ = Q.shape
-        L_k = K.size(1)
+        B = Q.size(0)
         if K.size(0) != B or V.shape[:2] != K.shape[:2]:
             raise ValueError(
                 f"batch/length mismatch: Q {tuple(Q.shape)}, K {tuple(K.shape)}, V {tuple(V.shape)}; "
@@ -144,6 +168,16 @@ class MultiHeadAttention(nn.Module):
             )
 
         q, k, v = self._project(Q, K, V)  # (B, L, E) each
+        out, weights = self._attend(q, k, v, key_padding_mask, attn_mask, need_weights)  # (B, L_q, E)
+        return self.W_O(out), weights
+
+    def _attend(
+        self, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None, attn_mask: Tensor | None,
+        need_weights: bool,
+    ) -> tuple[Tensor, Tensor | None]:
+        """Projected q (B, L_q, E), k and v (B, L_k, E) -> heads -> attention -> merged (B, L_q, E)."""
+        B, L_q, _ = q.shape
+        L_k = k.size(1)
         # split heads: (B, L, E) -> (B, L, H, d) -> (B, H, L, d)
         q = q.view(B, L_q, self.num_heads, self.head_dim).transpose(1, 2)
         k = k.view(B, L_k, self.num_heads, self.head_dim).transpose(1, 2)
@@ -158,8 +192,34 @@ class MultiHeadAttention(nn.Module):
         )  # None or broadcastable to (B, H, L_q, L_k)
         out, weights = self.attention(q, k, v, mask=mask, need_weights=need_weights)
         # merge heads: (B, H, L_q, d) -> (B, L_q, H, d) -> (B, L_q, E)
-        out = out.transpose(1, 2).reshape(B, L_q, self.embed_dim)
-        return self.W_O(out), weights
+        # (free when the kernel wrote its output as (B, L_q, H, d), as SDPA's CPU kernel does when q
+        # is a view of a (B, L, ...) projection, as here)
+        return out.transpose(1, 2).reshape(B, L_q, self.embed_dim), weights
+
+    def _forward_packed(
+        self, x: Tensor, unpad: Unpadding, attn_mask: Tensor | None, need_weights: bool
+    ) -> tuple[Tensor, Tensor | None]:
+        """Self-attention on packed tokens: x (N, E), the real tokens of a padded batch (see Unpadding).
+
+        forward(x, unpad=unpad) lands here (through forward, so that hooks see the call). The
+        projections run on the N real tokens only; attention runs on the padded (B, L) layout, where
+        the pads hold copies of a real token's q, k, v, blocked as keys by the key-padding mask that
+        `unpad` was built from. The real tokens' outputs are those of
+        forward(x_padded, key_padding_mask=..., attn_mask=attn_mask).
+        Returns ((N, E), weights (B, H, L, L) or None); the weights' rows for padded queries are not
+        the padded computation's (they are discarded in any case).
+        """
+        if x.dim() != 2 or x.size(-1) != self.embed_dim or x.size(0) != unpad.num_tokens:
+            raise ValueError(
+                f"x has shape {tuple(x.shape)}; expected packed tokens (N={unpad.num_tokens}, "
+                f"embed_dim={self.embed_dim})."
+            )
+        qkv = self._in_proj(x)  # (N, 3E)
+        # back to the padded layout for attention, for q, k and v at once: (N, 3E) -> (B, L, 3E). What
+        # the pads hold does not matter (masked keys, dropped queries), so skip zeroing them.
+        q, k, v = unpad.unpack(qkv, zero_pads=False).chunk(3, dim=-1)  # (B, L, E) each
+        out, weights = self._attend(q, k, v, unpad.key_padding_mask, attn_mask, need_weights)  # (B, L, E)
+        return self.W_O(unpad.pack(out)), weights  # (N, E)
 
     # ---- converters to and from nn.MultiheadAttention (batch_first) ----
     @classmethod

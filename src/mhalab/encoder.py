@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import copy
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mhalab.attention import MultiHeadAttention
+from mhalab.masks import Unpadding
 
 ACTIVATIONS = {"relu": nn.ReLU, "gelu": nn.GELU}
+_INPLACE = {nn.ReLU: torch.relu_, nn.GELU: torch.ops.aten.gelu_}  # for TransformerEncoderLayer._ff
 
 
 def _activation(name: str) -> nn.Module:
@@ -59,16 +62,50 @@ class TransformerEncoderLayer(nn.Module):
         return self.dropout1(out)
 
     def forward(
-        self, src: Tensor, src_mask: Tensor | None = None, src_key_padding_mask: Tensor | None = None
+        self,
+        src: Tensor,
+        src_mask: Tensor | None = None,
+        src_key_padding_mask: Tensor | None = None,
+        unpad: Unpadding | None = None,
     ) -> Tensor:
-        x = src  # (B, L, E)
+        """src (B, L, E) -> (B, L, E): every position is computed, pads included (as PyTorch's layer does).
+
+        With unpad=Unpadding(key_padding_mask), src is packed: (N, E), the real tokens of a padded batch
+        (see masks.Unpadding), and so is the result. Norms, residuals and the feed-forward then run on
+        the N real tokens only; attention goes back to the (B, L) layout inside self_attn. The result
+        is the padded computation's at the real tokens. TransformerEncoder runs its layers this way.
+        """
+        if unpad is None:
+            return self._block(src, lambda h: self._sa(h, src_mask, src_key_padding_mask))
+        if src_key_padding_mask is not None:
+            raise ValueError("with unpad=..., pass no src_key_padding_mask (it is the one unpad was built from).")
+
+        def sa(h: Tensor) -> Tensor:
+            out, _ = self.self_attn(h, attn_mask=src_mask, need_weights=False, unpad=unpad)
+            return self.dropout1(out)
+
+        return self._block(src, sa)
+
+    def _block(self, x: Tensor, sa) -> Tensor:
+        """Residuals, norms and feed-forward around `sa` (self-attention + dropout1). All of it but `sa` is
+        position-wise, so x may be padded (B, L, E) or packed (N, E)."""
         if self.norm_first:
-            x = x + self._sa(self.norm1(x), src_mask, src_key_padding_mask)
-            x = x + self.dropout2(self.ffn(self.norm2(x)))
+            x = x + sa(self.norm1(x))
+            x = x + self.dropout2(self._ff(self.norm2(x)))
         else:
-            x = self.norm1(x + self._sa(x, src_mask, src_key_padding_mask))
-            x = self.norm2(x + self.dropout2(self.ffn(x)))
+            x = self.norm1(x + sa(x))
+            x = self.norm2(x + self.dropout2(self._ff(x)))
         return x
+
+    def _ff(self, x: Tensor) -> Tensor:
+        """self.ffn(x): Linear -> activation -> Dropout -> Linear. Without autograd (eval, inference) the
+        activation runs in place on the first Linear's fresh output, as PyTorch's fused inference path
+        does: one (tokens, ff_dim) tensor fewer to allocate and write. Same numbers either way."""
+        lin1, act, drop, lin2 = self.ffn
+        inplace = None if torch.is_grad_enabled() else _INPLACE.get(type(act))
+        if inplace is None or getattr(act, "approximate", "none") != "none":
+            return self.ffn(x)
+        return lin2(drop(inplace(lin1(x))))
 
     # ---- converters to and from nn.TransformerEncoderLayer (batch_first) ----
     @classmethod
@@ -79,6 +116,8 @@ class TransformerEncoderLayer(nn.Module):
             raise ValueError(f"from_official supports relu and exact gelu activations, got {act}.")
         if not layer.self_attn.batch_first:
             raise ValueError("from_official expects batch_first=True (our layers are batch-first).")
+        if layer.linear1.bias is None:
+            raise ValueError("from_official supports bias=True layers only (our feed-forward has biases).")
         p = layer.dropout.p
         ours = cls(
             layer.self_attn.embed_dim, layer.self_attn.num_heads, layer.linear1.out_features, dropout=p,
@@ -107,7 +146,14 @@ class TransformerEncoderLayer(nn.Module):
 
 
 class TransformerEncoder(nn.Module):
-    """N encoder layers, with an optional final LayerNorm (use it with pre-norm layers)."""
+    """N encoder layers, with an optional final LayerNorm (use it with pre-norm layers).
+
+    Given a bool src_key_padding_mask, the stack runs on the real tokens only ("unpadding", see
+    masks.Unpadding): same outputs at real tokens, 0 at padded positions (nn.TransformerEncoder's
+    nested-tensor path in eval zeroes them too, before its final norm), and a quarter less work in
+    the position-wise layers when a quarter of the batch is padding.
+    `unpad=False` computes every position, pads included, as nn.TransformerEncoder does in training.
+    """
 
     def __init__(
         self,
@@ -120,6 +166,7 @@ class TransformerEncoder(nn.Module):
         norm_first: bool = False,
         final_norm: bool = False,
         layer: TransformerEncoderLayer | None = None,
+        unpad: bool = True,
     ):
         super().__init__()
         if num_layers < 1:
@@ -134,12 +181,38 @@ class TransformerEncoder(nn.Module):
                 elif isinstance(m, nn.Linear):
                     m.reset_parameters()
         self.norm = nn.LayerNorm(embed_dim) if final_norm else None
+        # skip padded positions in the position-wise layers (forward); False computes every position
+        self.unpad = unpad
 
     def forward(self, src: Tensor, mask: Tensor | None = None, src_key_padding_mask: Tensor | None = None) -> Tensor:
-        x = src
+        # src: (B, L, E) -> (B, L, E)
+        unpad = self._unpadding(src, src_key_padding_mask)
+        if unpad is None:  # no padding (or unpad=False): every layer on the padded layout
+            x = src
+            for layer in self.layers:
+                x = layer(x, src_mask=mask, src_key_padding_mask=src_key_padding_mask)
+            return self.norm(x) if self.norm is not None else x
+        # Unpad once for the whole stack (see masks.Unpadding): (B, L, E) -> (N, E) real tokens; norms,
+        # residuals and feed-forwards skip the pads and only attention sees the (B, L) layout. The
+        # real tokens' outputs equal the padded computation's; padded positions come out as 0.
+        x = unpad.pack(src)
         for layer in self.layers:
-            x = layer(x, src_mask=mask, src_key_padding_mask=src_key_padding_mask)
-        return self.norm(x) if self.norm is not None else x
+            x = layer(x, src_mask=mask, unpad=unpad)
+        if self.norm is not None:
+            x = self.norm(x)
+        return unpad.unpack(x)  # (N, E) -> (B, L, E)
+
+    def _unpadding(self, src: Tensor, kpm: Tensor | None) -> Unpadding | None:
+        """An Unpadding when it applies: a bool (B, L) mask that pads something. Else None, and the
+        padded path runs (it is also the one that reports malformed inputs and masks)."""
+        if not self.unpad or kpm is None or kpm.dtype != torch.bool or src.dim() != 3:
+            return None
+        if tuple(kpm.shape) != tuple(src.shape[:2]) or not all(
+            isinstance(lyr, TransformerEncoderLayer) for lyr in self.layers
+        ):
+            return None
+        unpad = Unpadding(kpm)
+        return unpad if 0 < unpad.num_tokens < kpm.numel() else None
 
     @classmethod
     def from_official(cls, enc: nn.TransformerEncoder) -> "TransformerEncoder":
@@ -149,7 +222,7 @@ class TransformerEncoder(nn.Module):
                    first.ffn[0].out_features, final_norm=enc.norm is not None, layer=first)
         ours.layers = nn.ModuleList(layers)
         if enc.norm is not None:
-            ours.norm.load_state_dict(enc.norm.state_dict())
+            ours.norm = copy.deepcopy(enc.norm)  # keeps its eps, dtype and device, not just its weights
         return ours
 
     def to_official(self) -> nn.TransformerEncoder:
