@@ -15,6 +15,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from mhalab.attention import MultiHeadAttention, ScaledDotProductAttention
+from conftest import close
+
+ONE_THREAD = True  # tiny tensors: see conftest.one_thread
 
 E, H, B = 16, 4, 2
 TOL = 1e-5
@@ -34,17 +37,6 @@ KINDS = [
 ]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors: one intra-op thread avoids OpenMP spin-waits on a busy 2-core machine (~7x faster)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-def close(a, b, tol=TOL, what=""):
-    torch.testing.assert_close(a, b, atol=tol, rtol=0, msg=lambda m: f"{what}: {m}")
 
 
 # ---------------------------------------------------------------- building blocks

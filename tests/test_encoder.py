@@ -13,6 +13,9 @@ from torch import nn
 
 from mhalab.attention import MultiHeadAttention
 from mhalab.encoder import OfficialEncoder, TransformerEncoder, TransformerEncoderLayer
+from conftest import close
+
+ONE_THREAD = True  # tiny tensors: see conftest.one_thread
 
 E, H, FF, B, L = 16, 4, 32, 2, 6
 TOL = 1e-5
@@ -24,17 +27,6 @@ pytestmark = pytest.mark.filterwarnings(
 )
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors: one intra-op thread avoids OpenMP spin-waits on a busy 2-core machine (~7x faster)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-def close(a, b, tol=TOL, what=""):
-    torch.testing.assert_close(a, b, atol=tol, rtol=0, msg=lambda m: f"{what}: {m}")
 
 
 def perturb(mod: nn.Module, seed: int = 7) -> nn.Module:

@@ -7,17 +7,11 @@ import torch
 
 from mhalab.masks import dead_rows, merge_masks, to_additive
 
+ONE_THREAD = True  # tiny tensors: see conftest.one_thread
+
 B, H, LQ, LK = 2, 4, 3, 5
 NEG = float("-inf")
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors: one intra-op thread avoids OpenMP spin-waits on a busy 2-core machine (~7x faster)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def dense(m: torch.Tensor) -> torch.Tensor:
