@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import secrets
@@ -110,11 +111,21 @@ def resolve_ckpt_path(ckpt_path: str, outputs: Path | None = None) -> Path:
     return p
 
 
+def checkpoint_meta(path: str) -> dict:
+    """A checkpoint's small parts (hyper-parameters, mhalab's extras), read once for every pre-run check."""
+    return _checkpoint_meta(path, Path(path).stat().st_mtime_ns)  # a rewritten file is read again
+
+
+@functools.lru_cache(maxsize=4)
+def _checkpoint_meta(path: str, mtime_ns: int) -> dict:
+    ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    return {"hyper_parameters": ckpt.get("hyper_parameters", {}), "mhalab": ckpt.get("mhalab", {})}
+
+
 def check_checkpoint(cfg: DictConfig) -> None:
     """The checkpoint must belong to a model of the configured shape, or resuming would fail late."""
     p = resolve_ckpt_path(str(cfg.ckpt_path))
-    ckpt = torch.load(p, map_location="cpu", weights_only=False)
-    saved = ckpt.get("hyper_parameters", {}).get("model", {})
+    saved = checkpoint_meta(str(p))["hyper_parameters"].get("model", {})
     for key in ("encoder", "dim", "heads", "layers", "ff_dim", "pos", "attention", "pooling", "max_len"):
         if key in saved and saved[key] != cfg.model.get(key):
             raise ConfigError(

@@ -7,7 +7,6 @@ import netrc
 import os
 from pathlib import Path
 
-import torch
 
 log = logging.getLogger("mhalab")
 
@@ -33,7 +32,9 @@ def prepare_wandb(kwargs: dict, ckpt_path: str | None, multirun: bool) -> dict:
 
         kwargs["group"] = Path(HydraConfig.get().sweep.dir).name  # all members of one sweep share a group
     if ckpt_path:
-        run_id = torch.load(ckpt_path, map_location="cpu", weights_only=False).get("mhalab", {}).get("wandb_id")
+        from mhalab.config import checkpoint_meta
+
+        run_id = checkpoint_meta(str(ckpt_path))["mhalab"].get("wandb_id")
         if run_id:
             kwargs.update(id=run_id, resume="allow")  # continue the same wandb run
     return kwargs
