@@ -12,10 +12,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import close
 from torch import nn
 
 from mhalab.attention import MultiHeadAttention, ScaledDotProductAttention
-from conftest import close
 
 ONE_THREAD = True  # tiny tensors: see conftest.one_thread
 
@@ -605,6 +605,83 @@ def test_dropout_drops_in_train_on_both_paths_and_matches_official_rng(need_weig
         kept = w != 0
         assert 0.5 < kept[w_eval != 0].float().mean().item() < 0.9  # ~70% kept
         close(w[kept], w_eval[kept] / (1 - p), 1e-6, "kept weights are scaled by 1/(1-p)")
+
+
+def _blocked(p=0.25, block=16):
+    """A ScaledDotProductAttention whose fused path attends in blocks of `block` queries."""
+    sdpa = ScaledDotProductAttention(p)
+    sdpa.chunk_min_scores, sdpa.query_block = 1, block
+    return sdpa.train()
+
+
+def _qkv_and_causal_padding_mask(B=2, H=3, L=40, d=8):
+    g = torch.Generator().manual_seed(3)
+    Q, K, V = (torch.randn(B, H, L, d, generator=g, requires_grad=True) for _ in range(3))
+    causal = torch.ones(L, L, dtype=torch.bool).triu(1)
+    pad = torch.zeros(B, L, dtype=torch.bool)
+    pad[1, L - 9 :] = True
+    return (Q, K, V), causal | pad[:, None, None, :]  # (B, 1, L, L), True = blocked
+
+
+def test_blocked_dropout_path_replays_its_dropout_in_backward():
+    # CPU + dropout + long enough -> blocks under checkpointing. Reference: the same blocks in a plain
+    # loop, same seed, no checkpointing. Equal outputs show the blocks draw dropout as the loop does;
+    # equal gradients show backward's recomputation replays the very same dropout masks.
+    (Q, K, V), mask = _qkv_and_causal_padding_mask()
+    p, block = 0.25, 16
+    torch.manual_seed(11)
+    out, _ = _blocked(p, block)(Q, K, V, mask=mask, need_weights=False)
+    grads = torch.autograd.grad(out.square().sum(), (Q, K, V))
+
+    add = torch.zeros(mask.shape).masked_fill(mask, float("-inf"))
+    torch.manual_seed(11)
+    ref = torch.cat([
+        F.scaled_dot_product_attention(Q[..., s : s + block, :], K, V, attn_mask=add[..., s : s + block, :], dropout_p=p)
+        for s in range(0, Q.size(-2), block)
+    ], dim=-2)
+    ref_grads = torch.autograd.grad(ref.square().sum(), (Q, K, V))
+    assert torch.equal(out, ref)
+    for name, g, r in zip("QKV", grads, ref_grads):
+        close(g, r, 1e-6, f"d{name}, blocked+checkpointed vs plain blocks")
+    torch.manual_seed(11)
+    whole = F.scaled_dot_product_attention(Q, K, V, attn_mask=add, dropout_p=p)
+    assert not torch.equal(out, whole)  # the blocked path really ran (one draw per block)
+
+
+def test_blocked_dropout_path_equals_full_attention_when_nothing_is_dropped():
+    # p > 0 takes the blocked path; a dropout of 1e-9 drops nothing in practice, so the blocks must
+    # reproduce one whole SDPA call (the masks' per-query rows are sliced right), gradients included.
+    (Q, K, V), mask = _qkv_and_causal_padding_mask()
+    out, _ = _blocked(1e-9, 16)(Q, K, V, mask=mask, need_weights=False)
+    grads = torch.autograd.grad(out.sum(), (Q, K, V))
+    ref, _ = ScaledDotProductAttention(0.0)(Q, K, V, mask=mask, need_weights=False)
+    ref_grads = torch.autograd.grad(ref.sum(), (Q, K, V))
+    close(out, ref, 1e-6, "blocked vs whole")
+    for name, g, r in zip("QKV", grads, ref_grads):
+        close(g, r, 1e-5, f"d{name}, blocked vs whole")
+
+
+def test_blocked_dropout_path_keeps_a_fraction_of_the_saved_activations():
+    # what autograd keeps for backward, summed over the saved tensors: the whole-matrix fallback keeps
+    # several (B, H, L, L) tensors, the blocked path only its inputs.
+    B, H, L, d = 1, 2, 512, 16
+    Q, K, V = (torch.randn(B, H, L, d, requires_grad=True) for _ in range(3))
+
+    def saved_bytes(sdpa):
+        seen = {}
+
+        def pack(t):
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            sdpa(Q, K, V, need_weights=False)
+        return sum(seen.values())
+
+    whole = saved_bytes(ScaledDotProductAttention(0.1).train())
+    blocked = saved_bytes(_blocked(0.1, 64))
+    assert whole >= 2 * B * H * L * L * 4  # at least two float32 (L, L) matrices per head
+    assert blocked <= 0.1 * whole, (blocked, whole)
 
 
 def test_dropout_is_off_in_eval():

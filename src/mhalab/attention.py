@@ -6,7 +6,8 @@ What differs from the article, and why:
   * `ScaledDotProductAttention` works on 3-D (B, L, d) and 4-D (B, H, L, d) inputs; the article's
     unpacked `Q.size()` into 3 names and crashed on the 4-D tensors its own MHA passes in.
   * no dropout after W_O: the encoder layer owns the residual dropout (the article applied two).
-  * `need_weights=False` takes PyTorch's fused kernel (flash / memory-efficient on CUDA).
+  * `need_weights=False` takes PyTorch's fused kernel (flash / memory-efficient on CUDA). On CPU,
+    where SDPA has no kernel with dropout, long sequences attend in checkpointed query blocks.
   * a query whose keys are all masked gives output 0 and zero gradients instead of NaN.
 """
 
@@ -17,12 +18,18 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from mhalab.masks import Unpadding, dead_rows, merge_masks, to_additive
 
 
 class ScaledDotProductAttention(nn.Module):
     """softmax(Q K^T / sqrt(d) + mask) V, for (..., L, d) inputs: 3-D or 4-D (B, H, L, d)."""
+
+    # CPU training with dropout and at least this many scores per (batch, head) attends in query blocks
+    # of `query_block` rows (see _blocked_sdpa); set chunk_min_scores = None to turn it off.
+    chunk_min_scores: int | None = 1024 * 1024
+    query_block: int = 256
 
     def __init__(self, dropout: float = 0.0):
         super().__init__()
@@ -56,11 +63,39 @@ class ScaledDotProductAttention(nn.Module):
             out = weights @ V  # (..., L_q, d)
         else:
             p = self.dropout.p if self.training else 0.0
-            out = F.scaled_dot_product_attention(Q, K, V, attn_mask=mask, dropout_p=p)
+            L_q, L_k = Q.size(-2), K.size(-2)
+            if (p > 0 and Q.device.type == "cpu" and torch.is_grad_enabled() and self.chunk_min_scores is not None
+                    and L_q * L_k >= self.chunk_min_scores and L_q > self.query_block):
+                out = _blocked_sdpa(Q, K, V, mask, p, self.query_block)
+            else:
+                out = F.scaled_dot_product_attention(Q, K, V, attn_mask=mask, dropout_p=p)
             weights = None
             if dead is not None:
                 out = out.masked_fill(dead, 0.0)
         return out, weights
+
+
+def _blocked_sdpa(Q: Tensor, K: Tensor, V: Tensor, mask: Tensor | None, p: float, block: int) -> Tensor:
+    """SDPA with dropout, `block` queries at a time, each block recomputed in backward.
+
+    On CPU, SDPA has no fused kernel with dropout: it falls back to the explicit computation, whose
+    autograd keeps the (..., L_q, L_k) scores, weights and dropout mask for backward (PyTorch's
+    module does the same). Under activation checkpointing each block keeps only its inputs, and
+    backward recomputes it, replaying the same dropout draws (checkpoint restores the RNG state).
+    Peak memory: one (..., block, L_k) block instead of the whole matrix; cost: attention's forward
+    runs twice. The result is that of SDPA with the dropout mask drawn block by block.
+    """
+    outs = []
+    for s in range(0, Q.size(-2), block):
+        m = mask
+        if mask is not None and mask.dim() >= 2 and mask.size(-2) > 1:  # per-query rows: slice them
+            m = mask[..., s : s + block, :]
+        outs.append(checkpoint(_sdpa, Q[..., s : s + block, :], K, V, m, p, use_reentrant=False))
+    return torch.cat(outs, dim=-2)  # (..., L_q, d)
+
+
+def _sdpa(Q: Tensor, K: Tensor, V: Tensor, mask: Tensor | None, p: float) -> Tensor:
+    return F.scaled_dot_product_attention(Q, K, V, attn_mask=mask, dropout_p=p)
 
 
 class MultiHeadAttention(nn.Module):
@@ -223,7 +258,7 @@ class MultiHeadAttention(nn.Module):
 
     # ---- converters to and from nn.MultiheadAttention (batch_first) ----
     @classmethod
-    def from_official(cls, mha: nn.MultiheadAttention) -> "MultiHeadAttention":
+    def from_official(cls, mha: nn.MultiheadAttention) -> MultiHeadAttention:
         if not mha._qkv_same_embed_dim or mha.bias_k is not None or mha.add_zero_attn:
             raise ValueError(
                 "from_official supports nn.MultiheadAttention with kdim = vdim = embed_dim, "

@@ -57,7 +57,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from mhalab.attention import MultiHeadAttention
+from mhalab.attention import MultiHeadAttention, ScaledDotProductAttention
 from mhalab.encoder import TransformerEncoder, TransformerEncoderLayer
 
 VARIANTS = ("weights", "fused", "official")
@@ -342,9 +342,10 @@ def run_targets(args, device) -> list[dict]:
 
     1-3: median time ratios at L=128, B=32 (training step and inference).
     4:   peak memory of the fused path / the weights path at L=2048 (same 4096 positions, B=2), for
-         the training step and for inference. On CPU a training step with attention dropout has no
-         fused kernel (PyTorch's SDPA falls back to the explicit computation for dropout_p > 0, the
-         official module too), so the training step is also measured with dropout 0.
+         the training step and for inference. On CPU, SDPA has no fused kernel with dropout (it falls
+         back to the explicit computation for dropout_p > 0, for the official module too); our fused
+         path then attends in checkpointed query blocks (attention._blocked_sdpa). The training
+         step is also measured with dropout 0, where SDPA's own fused kernel runs.
     """
     t = argparse.Namespace(**vars(args))
     t.embed_dim, t.num_heads, t.ff_dim = TARGET_CFG["embed_dim"], TARGET_CFG["num_heads"], TARGET_CFG["ff_dim"]
@@ -389,7 +390,8 @@ def run_targets(args, device) -> list[dict]:
         out.append(check(
             f"fused / weights peak memory at L={Lm}, {what}", None if not pf or not pw else pf / pw, 0.50,
             f"enc x{t.layers}, L={Lm}, B={Bm}: fused {_fmt(pf, '.1f')} MiB, weights {_fmt(pw, '.1f')} MiB"
-            + ("; CPU SDPA has no fused kernel with dropout (falls back to explicit, as for the official)"
+            + ("; CPU SDPA has no fused kernel with dropout: query blocks of "
+               f"{ScaledDotProductAttention.query_block}, recomputed in backward"
                if key == "train" and t.dropout > 0 and device.type == "cpu" else ""),
         ))
     return out
