@@ -23,9 +23,9 @@ from mhalab.data import TextClassificationDataModule
 from mhalab.model import SequenceClassifier
 
 REPO = Path(__file__).resolve().parents[1]
-MODES = {"bucketed": dict(bucketing=True, fixed_len=False), "shuffled": dict(bucketing=False, fixed_len=False),
-         "fixed max_len": dict(bucketing=False, fixed_len=True)}
-SIZES = {"sst2": dict(batch_size=64, max_len=64), "imdb": dict(batch_size=32, max_len=512)}
+MODES = {"bucketed": {"bucketing": True, "fixed_len": False}, "shuffled": {"bucketing": False, "fixed_len": False},
+         "fixed max_len": {"bucketing": False, "fixed_len": True}}
+SIZES = {"sst2": {"batch_size": 64, "max_len": 64}, "imdb": {"batch_size": 32, "max_len": 512}}
 
 
 def measure(data: str, mode: str, steps: int, device: str) -> dict:
@@ -70,8 +70,8 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="write the markdown table here")
     args = ap.parse_args()
     rows = [measure(d, m, args.steps, args.device) for d in args.data for m in MODES]
-    lines = [f"Training throughput, default custom encoder, {args.device}, {args.steps} steps per mode "
-             f"(`python scripts/throughput.py --steps {args.steps}`)", "",
+    lines = [(f"Training throughput, default custom encoder, {args.device}, {args.steps} steps per mode "
+              f"(`python scripts/throughput.py --steps {args.steps}`)"), "",
              "| data (batch, max_len) | batches | real tokens/s | vs bucketed | padding fraction | s/step |",
              "|---|---|---|---|---|---|"]
     for r in rows:

@@ -38,9 +38,9 @@ def close(a, b, tol=TOL, what=""):
     torch.testing.assert_close(a, b, atol=tol, rtol=0, msg=lambda m: f"{what}: {m}")
 
 
-POS = "good great fine lovely superb moving".split()
-NEG = "bad awful dull boring weak clumsy".split()
-FILLER = "the film movie a plot actor story was is and it of".split()
+POS = ["good", "great", "fine", "lovely", "superb", "moving"]
+NEG = ["bad", "awful", "dull", "boring", "weak", "clumsy"]
+FILLER = ["the", "film", "movie", "a", "plot", "actor", "story", "was", "is", "and", "it", "of"]
 
 
 def _sentence(rng: random.Random, label: int) -> str:

@@ -9,11 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import close
 from torch import nn
 
 from mhalab.attention import MultiHeadAttention
 from mhalab.encoder import OfficialEncoder, TransformerEncoder, TransformerEncoderLayer
-from conftest import close
 
 ONE_THREAD = True  # tiny tensors: see conftest.one_thread
 

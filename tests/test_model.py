@@ -3,6 +3,7 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import close
 
 from mhalab.attention import MultiHeadAttention
 from mhalab.encoder import OfficialEncoder, TransformerEncoder
@@ -45,6 +46,21 @@ def test_padding_does_not_change_logits():
     longer_pad = torch.cat([pad, torch.ones(4, 6, dtype=torch.bool)], 1)
     with torch.no_grad():
         assert (m(ids, pad) - m(longer, longer_pad)).abs().max().item() < 1e-5
+
+
+def test_embedding_dropout_drops_the_encoder_input_only_in_train():
+    torch.manual_seed(0)
+    ids, pad = _batch(L=12)
+    assert SequenceClassifier(50, 2, dim=32, heads=4, dropout=0.3, max_len=32).embed_drop.p == 0.3  # None: dropout
+    m = SequenceClassifier(50, 2, dim=32, heads=4, layers=1, ff_dim=64, dropout=0.0, embed_dropout=0.5, max_len=32)
+    seen = []
+    m.encoder.register_forward_pre_hook(lambda mod, args, kwargs: seen.append(args[0]), with_kwargs=True)
+    m.train()(ids, pad)
+    m.eval()(ids, pad)
+    dropped, clean = seen
+    zeroed = (dropped == 0) & (clean != 0)
+    assert 0.4 < zeroed.float().mean().item() < 0.6  # about half of the entries are dropped
+    close(dropped[~zeroed], 2 * clean[~zeroed], 1e-6, "kept entries scaled by 1/(1-p)")
 
 
 @pytest.mark.parametrize("encoder", ["custom", "official"])

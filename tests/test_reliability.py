@@ -10,8 +10,8 @@ import lightning as L
 import pandas as pd
 import pytest
 import torch
-
 from conftest import REPO, compose_train
+
 from mhalab.loggers import prepare_wandb
 from mhalab.model import SequenceClassifier
 from mhalab.module import NonFiniteLossError
@@ -66,7 +66,7 @@ def _sweep(tmp_path, data, *overrides) -> subprocess.CompletedProcess:
            f"paths.data_dir={data}", f"paths.cache_dir={tmp_path / 'cache'}", "trainer=cpu",
            "trainer.enable_progress_bar=false", "heads=4", "layers=1", "batch_size=32", "max_len=32",
            "max_epochs=1", "data.vocab_size=200", "data.min_frequency=1", *overrides]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    return subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=900)
 
 
 def test_sweep_with_an_invalid_member_finishes_the_rest_reports_and_reruns_skip_finished(tmp_path,

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -13,9 +12,9 @@ import lightning as L
 import pandas as pd
 import pytest
 import torch
+from conftest import CONF, REPO, compose_train
 from hydra.utils import instantiate
 
-from conftest import CONF, REPO, compose_train
 from mhalab.attention import MultiHeadAttention
 from mhalab.config import ConfigError, validate
 from mhalab.train import build, run
@@ -103,6 +102,8 @@ def test_ff_dim_defaults_to_four_times_dim(tmp_path):
     (["model.pos=relative"], r"unknown model.pos 'relative'; choose one of sinusoidal"),
     (["model=official", "model.pos=rope"], r"model=official supports attention=full"),
     (["lr=0"], r"lr=0(\.0)? must be > 0"),
+    (["dropout=1.0"], r"model.dropout=1.0 must be in \[0, 1\)"),
+    (["model.embed_dropout=-0.1"], r"model.embed_dropout=-0.1 must be in \[0, 1\)"),
     (["ckpt_path=/nonexistent/last.ckpt"], r"ckpt_path=/nonexistent/last.ckpt does not exist"),
 ])
 def test_bad_config_fails_before_data_is_read(overrides, match, tmp_path):
@@ -210,7 +211,7 @@ def test_sigterm_saves_a_checkpoint_and_resume_matches_uninterrupted(tmp_path, t
     stopped = tmp_path / "stopped"
     # debug=preempt sends SIGTERM to the run itself after global step 17 (mid-epoch 0 of 25 steps)
     proc = subprocess.run(_train_cmd(stopped, toy_data_dir, *common, "debug=preempt", "callbacks.preempt.at_step=17"), env=env,
-                          capture_output=True, text=True)
+                          check=False, capture_output=True, text=True)
     assert proc.returncode != 0
     rec = json.loads((stopped / "metrics.json").read_text())
     assert rec["status"] == "interrupted" and "resume with ckpt_path" in rec["error"]
@@ -219,7 +220,8 @@ def test_sigterm_saves_a_checkpoint_and_resume_matches_uninterrupted(tmp_path, t
 
     # the same command again, as a sweep re-run or a requeued cluster job does: it resumes by itself
     # (ckpt_path=<run dir> does the same from another dir; see test_resume_continues_the_global_step)
-    proc = subprocess.run(_train_cmd(stopped, toy_data_dir, *common), env=env, capture_output=True, text=True)
+    proc = subprocess.run(_train_cmd(stopped, toy_data_dir, *common), check=False, env=env, capture_output=True,
+                          text=True)
     assert proc.returncode == 0 and "was interrupted; resuming from" in proc.stdout + proc.stderr
     a = json.loads((straight / "metrics.json").read_text())
     b = json.loads((stopped / "metrics.json").read_text())
@@ -231,7 +233,7 @@ def test_sigterm_saves_a_checkpoint_and_resume_matches_uninterrupted(tmp_path, t
 def test_ddp_cpu_runs_two_processes(tmp_path, toy_data_dir):
     out = tmp_path / "ddp"
     proc = subprocess.run(_train_cmd(out, toy_data_dir, "trainer=ddp_cpu", "max_epochs=1", "test_after_fit=false"),
-                          capture_output=True, text=True, timeout=600)
+                          check=False, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Initializing distributed: GLOBAL_RANK: 1, MEMBER: 2/2" in proc.stderr + proc.stdout
     rec = json.loads((out / "metrics.json").read_text())

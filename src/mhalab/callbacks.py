@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import random
+import signal
 from pathlib import Path
 
 import lightning as L

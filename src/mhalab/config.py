@@ -71,8 +71,10 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(f"layers={m.layers} must be >= 1.")
     if int(m.ff_dim) < 1:
         raise ConfigError(f"ff_dim={m.ff_dim} must be >= 1.")
-    if not 0.0 <= float(m.dropout) < 1.0:
-        raise ConfigError(f"dropout={m.dropout} must be in [0, 1).")
+    for key in ("dropout", "embed_dropout"):
+        p = m.get(key)
+        if p is not None and not 0.0 <= float(p) < 1.0:
+            raise ConfigError(f"model.{key}={p} must be in [0, 1).")
     if m.attention not in ATTENTIONS:
         raise ConfigError(f"unknown model.attention '{m.attention}'; choose one of {', '.join(ATTENTIONS)}.")
     if m.pos not in POSITIONS:

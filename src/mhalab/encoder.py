@@ -109,7 +109,7 @@ class TransformerEncoderLayer(nn.Module):
 
     # ---- converters to and from nn.TransformerEncoderLayer (batch_first) ----
     @classmethod
-    def from_official(cls, layer: nn.TransformerEncoderLayer) -> "TransformerEncoderLayer":
+    def from_official(cls, layer: nn.TransformerEncoderLayer) -> TransformerEncoderLayer:
         act = layer.activation
         name = {F.relu: "relu", F.gelu: "gelu"}.get(act) or {nn.ReLU: "relu", nn.GELU: "gelu"}.get(type(act))
         if name is None or (isinstance(act, nn.GELU) and act.approximate != "none"):
@@ -215,7 +215,7 @@ class TransformerEncoder(nn.Module):
         return unpad if 0 < unpad.num_tokens < kpm.numel() else None
 
     @classmethod
-    def from_official(cls, enc: nn.TransformerEncoder) -> "TransformerEncoder":
+    def from_official(cls, enc: nn.TransformerEncoder) -> TransformerEncoder:
         layers = [TransformerEncoderLayer.from_official(lyr) for lyr in enc.layers]
         first = layers[0]
         ours = cls(len(layers), first.self_attn.embed_dim, first.self_attn.num_heads,
@@ -264,7 +264,7 @@ class OfficialEncoder(nn.Module):
         return self.encoder(src, mask=mask, src_key_padding_mask=src_key_padding_mask)
 
     @classmethod
-    def wrap(cls, encoder: nn.TransformerEncoder) -> "OfficialEncoder":
+    def wrap(cls, encoder: nn.TransformerEncoder) -> OfficialEncoder:
         """Wrap an existing (batch-first) nn.TransformerEncoder, e.g. from TransformerEncoder.to_official()."""
         self = cls.__new__(cls)
         nn.Module.__init__(self)

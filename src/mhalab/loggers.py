@@ -7,7 +7,6 @@ import netrc
 import os
 from pathlib import Path
 
-
 log = logging.getLogger("mhalab")
 
 

@@ -1,4 +1,4 @@
-"""The sequence classifier: embed -> position -> encoder stack -> pool -> dropout -> linear head.
+"""The sequence classifier: embed -> position -> dropout -> encoder stack -> pool -> dropout -> linear head.
 
 `encoder="custom"` stacks our TransformerEncoderLayer; `encoder="official"` wraps nn.TransformerEncoder.
 With the same weights the two give the same logits (see `with_encoder` and tests/test_model.py).
@@ -38,6 +38,7 @@ class SequenceClassifier(nn.Module):
         max_len: int = 128,
         pad_id: int = 0,
         attention_options: dict | None = None,
+        embed_dropout: float | None = None,
     ):
         super().__init__()
         if encoder not in ENCODERS:
@@ -65,14 +66,16 @@ class SequenceClassifier(nn.Module):
             attention, pos, embed_dim=dim, num_heads=heads, max_len=n_pos, dropout=dropout,
             **(attention_options or {}),
         )
-        stack = dict(num_layers=layers, embed_dim=dim, num_heads=heads, ff_dim=ff_dim, dropout=dropout,
-                     activation=activation, norm_first=norm_first, final_norm=norm_first)
+        stack = {"num_layers": layers, "embed_dim": dim, "num_heads": heads, "ff_dim": ff_dim, "dropout": dropout,
+                 "activation": activation, "norm_first": norm_first, "final_norm": norm_first}
         if encoder == "custom":
             mha = MultiHeadAttention(dim, heads, dropout, **parts)
             layer = TransformerEncoderLayer(dim, heads, ff_dim, dropout, activation, norm_first, self_attn=mha)
             self.encoder = TransformerEncoder(**stack, layer=layer)
         else:
             self.encoder = OfficialEncoder(**stack)
+        # dropout on embedding + position, as in Vaswani et al. (None: the same p as everywhere else)
+        self.embed_drop = nn.Dropout(dropout if embed_dropout is None else embed_dropout)
         self.drop = nn.Dropout(dropout)
         self.head = nn.Linear(dim, num_classes)
 
@@ -86,7 +89,7 @@ class SequenceClassifier(nn.Module):
             padding_mask = torch.cat([padding_mask.new_zeros(x.size(0), 1), padding_mask], dim=1)
         if self.pos is not None:
             x = self.pos(x)
-        x = self.encoder(x, src_key_padding_mask=padding_mask)  # (B, L, E)
+        x = self.encoder(self.embed_drop(x), src_key_padding_mask=padding_mask)  # (B, L, E)
         if self.pooling == "cls":
             pooled = x[:, 0]  # (B, E)
         else:
@@ -94,7 +97,7 @@ class SequenceClassifier(nn.Module):
             pooled = (x * keep).sum(1) / keep.sum(1).clamp(min=1.0)  # mean over real tokens
         return self.head(self.drop(pooled))  # (B, C)
 
-    def with_encoder(self, kind: str) -> "SequenceClassifier":
+    def with_encoder(self, kind: str) -> SequenceClassifier:
         """The same model with the other encoder implementation, weights copied exactly."""
         other = copy.deepcopy(self)
         enc = self.encoder

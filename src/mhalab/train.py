@@ -76,7 +76,7 @@ def run(cfg: DictConfig) -> float:
     _write_json(metrics_path, record)
     t0 = time.time()
     try:
-        trainer, module = _fit_and_test(cfg, out, record)
+        trainer, _ = _fit_and_test(cfg, out, record)
     except BaseException as e:  # SystemExit and KeyboardInterrupt too: the record must not say "running"
         interrupted = isinstance(e, (KeyboardInterrupt, SystemExit))
         reason = (f"interrupted ({type(e).__name__}); resume with ckpt_path={out}" if interrupted
