@@ -304,7 +304,9 @@ class TextClassificationDataModule(L.LightningDataModule):
         for split, data in self.splits.items():
             lengths = torch.tensor(data.lengths, dtype=torch.float)
             counts = Counter(data.labels.tolist())
-            log.info("%s %s: %d examples, classes %s, tokens mean %.1f max %d, %.1f%% truncated to max_len=%d",
+            # a text of exactly max_len tokens counts too: the cache keeps ids, not the texts' full lengths
+            log.info("%s %s: %d examples, classes %s, tokens mean %.1f max %d, "
+                     "%.1f%% reach max_len=%d (truncated or exactly full)",
                      self.name, split, len(data), {self.label_names[c]: counts[c] for c in sorted(counts)},
                      lengths.mean(), lengths.max(), 100 * (lengths >= self.max_len).float().mean(), self.max_len)
         pad_to = self.max_len if self.fixed_len else None
