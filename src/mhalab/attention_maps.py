@@ -101,8 +101,9 @@ def attention_weights(model: nn.Module, input_ids: Tensor, padding_mask: Tensor 
     encoder = _inner(model).encoder
     with ExitStack() as stack:
         if getattr(encoder, "unpad", False):
-            # our encoder runs a padded batch on its real tokens only ("unpadding"), calling
-            # self_attn.forward_packed, which hooks do not see; the padded path gives the same weights
+            # our encoder runs a padded batch on its packed real tokens ("unpadding"), so self_attn is
+            # called with (N, E) tokens; the hooks here read the padded (B, L, E) call, and the padded
+            # path gives the same weights
             encoder.unpad = False
             stack.callback(setattr, encoder, "unpad", True)
         for i, attn in enumerate(attns):
