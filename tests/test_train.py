@@ -12,7 +12,7 @@ import lightning as L
 import pandas as pd
 import pytest
 import torch
-from conftest import CONF, REPO, compose_train
+from conftest import CONF, REPO, SHARED_DATA, compose_train
 from hydra.utils import instantiate
 
 from mhalab.attention import MultiHeadAttention
@@ -256,3 +256,21 @@ def test_eval_script_reproduces_the_runs_test_metrics_from_the_checkpoint_alone(
     assert abs(res["test/loss"] - rec["final"]["test/loss"]) < 1e-5
     val = evaluate(rec["best"]["checkpoint"], "validation")
     assert abs(val["validation/acc"] - rec["best"]["val/acc"]) < 1e-6
+
+
+@pytest.mark.parametrize("data, splits_from_files, dev_split", [
+    ("sst2", {"train", "validation", "test"}, None),
+    ("sst5", {"train", "validation", "test"}, None),
+    ("trec", {"train", "test"}, 0.1),
+    ("imdb", {"train", "test"}, 0.1),
+    ("imdb_bytes", {"train", "test"}, 0.1),
+])
+def test_real_data_configs_validate_against_shared_data(data, splits_from_files, dev_split, tmp_path):
+    # `python train.py data=<name>` as typed, on ../shared/data: the composed config must point at files
+    # that exist with the configured columns. trec/imdb extend sst2.yaml, whose dev file must not leak
+    # into them (they hold a dev split out of train instead).
+    cfg = compose_train([f"data={data}"], tmp_path, SHARED_DATA, small_vocab=False)
+    dm = instantiate(cfg.data)
+    assert set(dm.files) == splits_from_files and dm.dev_split == dev_split
+    assert all(f.startswith(f"{data.split('_')[0]}/") for f in dm.files.values()), dm.files
+    dm.validate()  # files exist, columns present (reads headers only)

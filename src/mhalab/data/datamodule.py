@@ -73,7 +73,7 @@ class TextClassificationDataModule(L.LightningDataModule):
     json (JSON lines, .gz too) or parquet. With no data directory at all, `hub` = {path, name,
     revision, splits: {our split: hub split}} loads through datasets.load_dataset; then only the keys
     of `files` matter. Labels: ints 0..num_classes-1, or strings mapped to their index in `label_names`.
-    No validation file: `dev_split` holds out a seeded stratified fraction of train.
+    No validation file (absent or null): `dev_split` holds out a seeded stratified fraction of train.
 
     After setup(): `.tokenizer`, `.vocab_size`, `.pad_id`, `.cls_id`, `.num_classes`, `.label_names`,
     `.splits` (EncodedSplit per split), `.tokenizer_json()`. Train under Lightning with
@@ -113,7 +113,8 @@ class TextClassificationDataModule(L.LightningDataModule):
     ):
         super().__init__()
         # Hydra hands over DictConfig / ListConfig: make them plain so they hash and pickle simply.
-        self.name, self.files = name, {str(k): str(v) for k, v in dict(files).items()}
+        # A split set to null is absent (a config that extends another drops the parent's split so).
+        self.name, self.files = name, {str(k): str(v) for k, v in dict(files).items() if v is not None}
         self.text_column, self.label_column = text_column, label_column
         self.data_dir, self.format, self.delimiter, self.quoting = data_dir, format, delimiter, quoting
         self.hub = {k: (dict(v) if hasattr(v, "items") else v) for k, v in dict(hub).items()} if hub else None
