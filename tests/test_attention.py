@@ -610,7 +610,7 @@ def test_dropout_drops_in_train_on_both_paths_and_matches_official_rng(need_weig
 def _blocked(p=0.25, block=16):
     """A ScaledDotProductAttention whose fused path attends in blocks of `block` queries."""
     sdpa = ScaledDotProductAttention(p)
-    sdpa.chunk_min_scores, sdpa.query_block = 1, block
+    sdpa.block_min_scores, sdpa.query_block = 1, block
     return sdpa.train()
 
 

@@ -27,8 +27,9 @@ class ScaledDotProductAttention(nn.Module):
     """softmax(Q K^T / sqrt(d) + mask) V, for (..., L, d) inputs: 3-D or 4-D (B, H, L, d)."""
 
     # CPU training with dropout and at least this many scores per (batch, head) attends in query blocks
-    # of `query_block` rows (see _blocked_sdpa); set chunk_min_scores = None to turn it off.
-    chunk_min_scores: int | None = 1024 * 1024
+    # of `query_block` rows (see _blocked_sdpa): memory for time, so only from L = 2048 on, where the
+    # (L, L) tensors dominate a training step's memory. block_min_scores = None turns it off.
+    block_min_scores: int | None = 2048 * 2048
     query_block: int = 256
 
     def __init__(self, dropout: float = 0.0):
@@ -64,8 +65,8 @@ class ScaledDotProductAttention(nn.Module):
         else:
             p = self.dropout.p if self.training else 0.0
             L_q, L_k = Q.size(-2), K.size(-2)
-            if (p > 0 and Q.device.type == "cpu" and torch.is_grad_enabled() and self.chunk_min_scores is not None
-                    and L_q * L_k >= self.chunk_min_scores and L_q > self.query_block):
+            if (p > 0 and Q.device.type == "cpu" and torch.is_grad_enabled() and self.block_min_scores is not None
+                    and L_q * L_k >= self.block_min_scores and L_q > self.query_block):
                 out = _blocked_sdpa(Q, K, V, mask, p, self.query_block)
             else:
                 out = F.scaled_dot_product_attention(Q, K, V, attn_mask=mask, dropout_p=p)
@@ -90,12 +91,9 @@ def _blocked_sdpa(Q: Tensor, K: Tensor, V: Tensor, mask: Tensor | None, p: float
         m = mask
         if mask is not None and mask.dim() >= 2 and mask.size(-2) > 1:  # per-query rows: slice them
             m = mask[..., s : s + block, :]
-        outs.append(checkpoint(_sdpa, Q[..., s : s + block, :], K, V, m, p, use_reentrant=False))
+        outs.append(checkpoint(F.scaled_dot_product_attention, Q[..., s : s + block, :], K, V, attn_mask=m,
+                               dropout_p=p, use_reentrant=False))
     return torch.cat(outs, dim=-2)  # (..., L_q, d)
-
-
-def _sdpa(Q: Tensor, K: Tensor, V: Tensor, mask: Tensor | None, p: float) -> Tensor:
-    return F.scaled_dot_product_attention(Q, K, V, attn_mask=mask, dropout_p=p)
 
 
 class MultiHeadAttention(nn.Module):
