@@ -6,6 +6,8 @@ mode (dropout=0) and eval mode, post-norm and pre-norm, relu and gelu, for each 
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -14,6 +16,7 @@ from torch import nn
 
 from mhalab.attention import MultiHeadAttention
 from mhalab.encoder import OfficialEncoder, TransformerEncoder, TransformerEncoderLayer
+from mhalab.model import SequenceClassifier
 
 ONE_THREAD = True  # tiny tensors: see conftest.one_thread
 
@@ -352,12 +355,45 @@ def test_layer_converters_keep_eps_and_dtype():
     assert ours.to_official().norm2.eps == 1e-3
 
 
-def test_stack_layers_are_independent_copies():
-    enc = TransformerEncoder(3, E, H, FF, 0.0)
-    w = [lyr.self_attn.W_Q.weight for lyr in enc.layers]
-    f = [lyr.ffn[0].weight for lyr in enc.layers]
-    assert w[0].data_ptr() != w[1].data_ptr()
-    assert (w[0] - w[1]).abs().max().item() > 1e-3 and (f[1] - f[2]).abs().max().item() > 1e-3
+def uniform_like(t: torch.Tensor, bound: float, rel: float = 0.1) -> bool:
+    """t looks like U(-bound, bound): inside it, with std bound / sqrt(3) within `rel`."""
+    std = t.detach().std().item()
+    return t.abs().max().item() <= bound * (1 + 1e-6) and abs(std / (bound / math.sqrt(3)) - 1) < rel
+
+
+def random_draws(layer: nn.Module) -> dict[str, torch.Tensor]:
+    """The layer's parameters that are not constants (LayerNorm's ones / zeros, zero biases)."""
+    return {n: p for n, p in layer.named_parameters() if p.detach().unique().numel() > 1}
+
+
+def test_every_layer_is_initialised_like_the_first_with_its_own_draws():
+    """In each of 4 layers: W_Q/W_K/W_V are chunks of a xavier-uniform (3E, E) matrix and every attention
+    bias is 0 (nn.MultiheadAttention's init); W_O and the feed-forward are nn.Linear's default (kaiming
+    uniform a=sqrt(5): U(+-1/sqrt(fan_in))), feed-forward biases U(+-1/sqrt(fan_in)); no two layers share
+    a draw. (Layers 1+ used to be re-initialised parent-first: kaiming W_Q/W_K/W_V, non-zero biases.)"""
+    torch.manual_seed(0)
+    dim = 128
+    model = SequenceClassifier(100, 2, dim=dim, heads=4, layers=4, ff_dim=4 * dim, dropout=0.0, max_len=32)
+    layers = model.encoder.layers
+    xavier = math.sqrt(6 / (dim + 3 * dim))  # fan_in E, fan_out 3E
+    for i, lyr in enumerate(layers):
+        a = lyr.self_attn
+        for name in ("W_Q", "W_K", "W_V", "W_O"):
+            assert torch.equal(getattr(a, name).bias, torch.zeros(dim)), (i, name)
+        for name in ("W_Q", "W_K", "W_V"):
+            assert uniform_like(getattr(a, name).weight, xavier), (i, name)
+        for name, lin in (("W_O", a.W_O), ("ffn[0]", lyr.ffn[0]), ("ffn[3]", lyr.ffn[3])):
+            assert uniform_like(lin.weight, 1 / math.sqrt(lin.in_features)), (i, name)
+        for name, lin in (("ffn[0]", lyr.ffn[0]), ("ffn[3]", lyr.ffn[3])):
+            assert (lin.bias != 0).all() and uniform_like(lin.bias, 1 / math.sqrt(lin.in_features), 0.2), (i, name)
+    draws = [random_draws(lyr) for lyr in layers]
+    assert set(draws[0]) == {f"self_attn.W_{x}.weight" for x in "QKVO"} | {
+        "ffn.0.weight", "ffn.0.bias", "ffn.3.weight", "ffn.3.bias"}
+    for i in range(len(layers)):
+        assert set(draws[i]) == set(draws[0]), i
+        for j in range(i):
+            for name, p in draws[i].items():
+                assert not torch.equal(p, draws[j][name]), (j, i, name)
 
 
 # ---------------------------------------------------------------- dropout

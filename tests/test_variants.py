@@ -407,3 +407,55 @@ def test_every_combination_trains_under_bf16_and_ignores_padding(attention, pos)
         a, _ = mha(x, key_padding_mask=kpm, need_weights=False)
         b, _ = mha(x2, key_padding_mask=kpm, need_weights=False)
     torch.testing.assert_close(a[1, :7], b[1, :7], atol=0, rtol=0)  # blocked keys weigh exactly 0
+
+
+# ------------------------------------------------------------------------------ per-layer init
+# the variant tensors a layer owns, and the std its constructor draws them with (max_len 64, k 64,
+# head_dim 32, 32 T5 buckets): Linformer's E, F xavier gain 1/sqrt(2) over (k, max_len): 1/sqrt(k + max_len);
+# Performer's features rows ~ N(0, I); T5's table N(0, 0.02^2)
+VARIANT_INIT = {
+    "linformer": ("linformer", "sinusoidal", {"attention.E": 1 / 128 ** 0.5, "attention.F": 1 / 128 ** 0.5}),
+    "performer": ("performer", "sinusoidal", {"attention.features": 1.0}),
+    "t5": ("full", "t5", {"position_bias.emb.weight": 0.02}),
+}
+
+
+def variant_tensors(model) -> list[dict[str, torch.Tensor]]:
+    """Per layer: the attention kernel's and position module's parameters and buffers."""
+    prefixes = ("attention.", "rotary.", "position_bias.")
+    return [{n: t.detach() for n, t in [*lyr.self_attn.named_parameters(), *lyr.self_attn.named_buffers()]
+             if n.startswith(prefixes)} for lyr in model.encoder.layers]
+
+
+@pytest.mark.parametrize("case", list(VARIANT_INIT))
+def test_variant_tensors_are_redrawn_per_layer_from_layer_zeros_distribution(case):
+    from mhalab.model import SequenceClassifier
+
+    attention, pos, stds = VARIANT_INIT[case]
+    torch.manual_seed(0)
+    model = SequenceClassifier(100, 2, dim=128, heads=4, layers=4, ff_dim=512, max_len=64, attention=attention,
+                               pos=pos, attention_options={"linformer_k": 64, "performer_features": 64})
+    layers = variant_tensors(model)
+    assert all(set(t) == set(stds) for t in layers)
+    for i, tensors in enumerate(layers):
+        for name, t in tensors.items():
+            # 128 T5 entries: 25% is ~4 standard errors of a std estimate; 2048+ entries elsewhere
+            rel = 0.25 if case == "t5" else 0.1
+            assert abs(t.std().item() / stds[name] - 1) < rel, (i, name, t.std().item())
+            assert abs(t.mean().item()) < 4 * stds[name] / t.numel() ** 0.5, (i, name)  # 4 standard errors
+            for j in range(i):
+                assert not torch.equal(t, layers[j][name]), (j, i, name)
+        if case == "performer":  # orthogonal random features: rows within a block of head_dim are orthogonal
+            W = tensors["attention.features"][:32]
+            unit = W / W.norm(dim=1, keepdim=True)
+            torch.testing.assert_close(unit @ unit.T, torch.eye(32), atol=1e-5, rtol=0)
+
+
+def test_deterministic_positions_are_the_same_in_every_layer():
+    from mhalab.model import SequenceClassifier
+
+    model = SequenceClassifier(100, 2, dim=32, heads=4, layers=3, ff_dim=64, max_len=16, pos="alibi")
+    slopes = [t["position_bias.slopes"] for t in variant_tensors(model)]
+    assert all(torch.equal(s, torch.tensor(alibi_slopes(4))) for s in slopes)
+    rope = SequenceClassifier(100, 2, dim=32, heads=4, layers=3, ff_dim=64, max_len=16, pos="rope")
+    assert variant_tensors(rope) == [{}, {}, {}]  # RoPE's tables are a cache computed from (head_dim, base)

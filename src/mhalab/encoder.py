@@ -26,6 +26,21 @@ def _activation(name: str) -> nn.Module:
     return ACTIVATIONS[name]()
 
 
+def reset_parameters(module: nn.Module) -> None:
+    """Redraw every parameter and random buffer of `module` as its constructors drew them.
+
+    Descendants before ancestors, as in construction: a parent's init overwrites its children's
+    defaults (MultiHeadAttention puts xavier on W_Q/W_K/W_V and zero biases over nn.Linear's init,
+    T5RelativeBias puts N(0, 0.02) over its nn.Embedding's N(0, 1)), so it must run after theirs.
+    modules() is parent-first, hence reversed. MultiHeadAttention's method is `_reset_parameters`,
+    named as in nn.MultiheadAttention.
+    """
+    for m in reversed(list(module.modules())):
+        reset = getattr(m, "reset_parameters", None) or getattr(m, "_reset_parameters", None)
+        if callable(reset):
+            reset()
+
+
 class TransformerEncoderLayer(nn.Module):
     """Post-norm (the article, and Vaswani et al.) or pre-norm (`norm_first=True`) encoder layer.
 
@@ -172,14 +187,10 @@ class TransformerEncoder(nn.Module):
         if num_layers < 1:
             raise ValueError(f"num_layers must be >= 1, got {num_layers}.")
         proto = layer or TransformerEncoderLayer(embed_dim, num_heads, ff_dim, dropout, activation, norm_first)
-        # deep copies, then re-initialise each attention so layers do not start identical
+        # deep copies, then fresh draws for layers 1+ so no two layers start identical
         self.layers = nn.ModuleList([copy.deepcopy(proto) for _ in range(num_layers)])
         for lyr in self.layers[1:]:
-            for m in lyr.modules():
-                if isinstance(m, MultiHeadAttention):
-                    m._reset_parameters()
-                elif isinstance(m, nn.Linear):
-                    m.reset_parameters()
+            reset_parameters(lyr)
         self.norm = nn.LayerNorm(embed_dim) if final_norm else None
         # skip padded positions in the position-wise layers (forward); False computes every position
         self.unpad = unpad

@@ -200,9 +200,12 @@ class LinformerAttention(nn.Module):
         self.max_len, self.k = max_len, k
         self.E = nn.Parameter(torch.empty(k, max_len))
         self.F = nn.Parameter(torch.empty(k, max_len))
+        self.dropout = nn.Dropout(dropout)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
         nn.init.xavier_uniform_(self.E, gain=1 / math.sqrt(2))
         nn.init.xavier_uniform_(self.F, gain=1 / math.sqrt(2))
-        self.dropout = nn.Dropout(dropout)
 
     def forward(
         self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, need_weights: bool = True
@@ -274,6 +277,10 @@ class PerformerAttention(nn.Module):
     def redraw(self, generator: torch.Generator | None = None) -> None:
         W = orthogonal_gaussian(self.num_features, self.head_dim, generator)
         self.features.copy_(W.to(self.features.device))
+
+    def reset_parameters(self) -> None:
+        """New features, drawn as the constructor draws them (TransformerEncoder calls this per layer)."""
+        self.redraw()
 
     def forward(
         self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, need_weights: bool = True

@@ -185,7 +185,10 @@ class T5RelativeBias(nn.Module):
         self.num_heads, self.num_buckets = num_heads, num_buckets
         self.max_distance, self.bidirectional = max_distance, bidirectional
         self.emb = nn.Embedding(num_buckets, num_heads)
-        nn.init.normal_(self.emb.weight, std=0.02)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.emb.weight, std=0.02)  # over nn.Embedding's N(0, 1)
 
     def forward(self, L_q: int, L_k: int) -> Tensor:
         dev = self.emb.weight.device
