@@ -9,6 +9,7 @@ from mhalab.attention import MultiHeadAttention, ScaledDotProductAttention
 from mhalab.masks import merge_masks, to_additive
 from mhalab.variants import (
     ABSOLUTE_POSITIONS,
+    ATTENTION_OPTIONS,
     ATTENTIONS,
     POSITIONS,
     ALiBi,
@@ -19,6 +20,7 @@ from mhalab.variants import (
     WindowAttention,
     alibi_slopes,
     attention_parts,
+    check_attention,
     relative_position_bucket,
 )
 
@@ -459,3 +461,97 @@ def test_deterministic_positions_are_the_same_in_every_layer():
     assert all(torch.equal(s, torch.tensor(alibi_slopes(4))) for s in slopes)
     rope = SequenceClassifier(100, 2, dim=32, heads=4, layers=3, ff_dim=64, max_len=16, pos="rope")
     assert variant_tensors(rope) == [{}, {}, {}]  # RoPE's tables are a cache computed from (head_dim, base)
+
+
+# ------------------------------------------------------------------------------ attention options
+def test_custom_yaml_declares_every_attention_option_with_its_default():
+    from conftest import CONF
+    from omegaconf import OmegaConf
+
+    declared = OmegaConf.to_container(OmegaConf.load(CONF / "model" / "custom.yaml").attention_options)
+    assert declared == ATTENTION_OPTIONS
+
+
+def refusal(*args) -> str:
+    with pytest.raises(ValueError) as e:
+        check_attention(*args)
+    return str(e.value)
+
+
+def test_check_attention_refuses_unknown_keys_and_bad_values_naming_the_fix():
+    assert refusal("full", "sinusoidal", {"windw": 32}, 64) == (
+        "unknown option model.attention_options.windw; the options are model.attention_options.window, "
+        "model.attention_options.global_tokens, model.attention_options.linformer_k, "
+        "model.attention_options.performer_features.")
+    assert refusal("window", "rope", {"window": -2}, 64) == (
+        "model.attention_options.window=-2 must be an integer >= 0 (the default is 128).")
+    assert refusal("linformer", "rope", {"linformer_k": 0}, 64) == (
+        "model.attention_options.linformer_k=0 must be an integer >= 1 (the default is 64).")
+    assert "performer_features=8.5 must be an integer" in refusal("performer", "rope", {"performer_features": 8.5}, 64)
+    assert "window=True must be an integer" in refusal("window", "rope", {"window": True}, 64)
+    assert "never forms the score matrix" in refusal("performer", "t5", {}, 64)  # check_combination runs too
+    check_attention("linformer", "rope", dict(ATTENTION_OPTIONS), 64)  # every default, for any attention
+    check_attention("full", "sinusoidal", None, 64)
+
+
+def test_check_attention_refuses_a_window_that_covers_every_position():
+    # query i sees key j iff |i - j| <= window // 2 or either is global: with global_tokens g the farthest
+    # non-global pair is (g, max_len - 1), so a band of max_len - 1 - g keys per side is full attention
+    assert refusal("window", "sinusoidal", {"window": 128, "global_tokens": 0}, 64) == (
+        "model.attention=window with model.attention_options.window=128 (64 keys on each side) covers every "
+        "position of max_len=64: it would be full attention; set model.attention_options.window below 126 "
+        "(e.g. 32) or use model.attention=full.")
+    assert refusal("window", "sinusoidal", {}, 64) == (  # the defaults: window 128, 1 global token
+        "model.attention=window with model.attention_options.window=128 (64 keys on each side, plus 1 global "
+        "token) covers every position of max_len=64: it would be full attention; set "
+        "model.attention_options.window below 124 (e.g. 32) or use model.attention=full.")
+    assert "window=124 (62 keys on each side, plus 1 global token)" in refusal("window", "rope", {"window": 124}, 64)
+    check_attention("window", "rope", {"window": 123}, 64)  # just below: (1, 63) is out of the band
+    check_attention("window", "rope", {"window": 125, "global_tokens": 0}, 64)  # (0, 63) is out of the band
+    assert refusal("window", "rope", {"global_tokens": 63}, 64) == (
+        "model.attention=window with model.attention_options.global_tokens=63 covers every position of "
+        "max_len=64 whatever the window: it would be full attention; set "
+        "model.attention_options.global_tokens below 63 or use model.attention=full.")
+    check_attention("full", "rope", {"window": 1024}, 64)  # only window attention reads it
+
+
+def test_the_library_refuses_a_covering_window_and_counts_the_cls_position():
+    from mhalab.model import SequenceClassifier
+
+    kw = {"embed_dim": 16, "num_heads": 4, "max_len": 20, "dropout": 0.0}
+    with pytest.raises(ValueError, match=r"window=36 .* covers every position of max_len=20"):
+        attention_parts("window", "rope", **kw, window=36)
+    with pytest.raises(ValueError, match=r"unknown option model.attention_options.k;"):
+        attention_parts("linformer", "rope", **kw, k=8)
+    # mean pooling: 64 positions, limit 124; cls pooling: 65 positions (CLS at 0), limit 126
+    model = {"dim": 16, "heads": 4, "layers": 1, "ff_dim": 32, "max_len": 64, "attention": "window"}
+    with pytest.raises(ValueError, match=r"window=124 .* max_len=64: .* below 124"):
+        SequenceClassifier(30, 2, **model, attention_options={"window": 124})
+    SequenceClassifier(30, 2, **model, pooling="cls", attention_options={"window": 124})
+    SequenceClassifier(30, 2, **model, attention_options={"window": 123})
+
+
+def test_window_just_below_the_limit_differs_from_full_attention_at_the_farthest_pair_only():
+    torch.manual_seed(0)
+    E, H, L, g = 16, 4, 12, 1
+    limit = 2 * (L - 1 - g)  # 20: window 20 (10 keys each side) is refused as full attention
+    with pytest.raises(ValueError, match="it would be full attention"):
+        attention_parts("window", "sinusoidal", embed_dim=E, num_heads=H, max_len=L, dropout=0.0,
+                        window=limit, global_tokens=g)
+    parts = attention_parts("window", "sinusoidal", embed_dim=E, num_heads=H, max_len=L, dropout=0.0,
+                            window=limit - 1, global_tokens=g)
+    win = MultiHeadAttention(E, H, 0.0, **parts).eval()
+    full = MultiHeadAttention(E, H, 0.0).eval()
+    full.load_state_dict(win.state_dict())  # same projections, softmax over every key
+    x = torch.randn(2, L, E)
+    with torch.no_grad():
+        diff = (win(x)[0] - full(x)[0]).abs().amax(dim=(0, 2))  # (L,) per query position
+    # 9 keys each side: only (1, 11) and (11, 1) are out of the band, so queries 1 and 11 differ
+    assert (diff[[1, L - 1]] > 1e-4).all()
+    torch.testing.assert_close(diff[[0, *range(2, L - 1)]], torch.zeros(L - 2), atol=1e-6, rtol=0)
+    # a band shorter than the sequence differs from full attention at (almost) every query
+    short = MultiHeadAttention(E, H, 0.0, **attention_parts(
+        "window", "sinusoidal", embed_dim=E, num_heads=H, max_len=L, dropout=0.0, window=4, global_tokens=g))
+    short.load_state_dict(win.state_dict())
+    with torch.no_grad():
+        assert ((short.eval()(x)[0] - full(x)[0]).abs().amax(dim=(0, 2))[g:] > 1e-4).all()
