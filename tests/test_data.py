@@ -31,6 +31,7 @@ from mhalab.data import (
     stratified_holdout,
 )
 from mhalab.data.reading import clean_rows, load_table
+from mhalab.errors import ConfigError, DataError
 
 DATA = Path(__file__).parents[1].parent / "shared/data"
 SST2 = {
@@ -435,11 +436,11 @@ def test_lightning_resumes_mid_epoch_on_the_next_unseen_batch(tmp_path, num_work
 
 def test_data_dir_and_files_missing(tmp_path, monkeypatch):
     monkeypatch.delenv("MHALAB_DATA_DIR", raising=False)
-    with pytest.raises(FileNotFoundError, match=r"data directory '.*nowhere' does not exist.*MHALAB_DATA_DIR"):
+    with pytest.raises(DataError, match=r"data directory '.*nowhere' does not exist.*MHALAB_DATA_DIR"):
         toy_dm(tmp_path, data_dir=str(tmp_path / "nowhere")).setup()
-    with pytest.raises(FileNotFoundError, match=r"no data directory for 'toy': set data.data_dir=.*MHALAB_DATA_DIR"):
+    with pytest.raises(DataError, match=r"no data directory for 'toy': set data.data_dir=.*MHALAB_DATA_DIR"):
         toy_dm(tmp_path, data_dir=None).setup()
-    with pytest.raises(FileNotFoundError, match=r"toy validation file '.*toy/dev.tsv' does not exist.*data.data_dir="):
+    with pytest.raises(DataError, match=r"toy validation file '.*toy/dev.tsv' does not exist.*data.data_dir="):
         toy_dm(tmp_path, files={"train": "toy/train.tsv", "validation": "toy/dev.tsv"}).setup()
     monkeypatch.setenv("MHALAB_DATA_DIR", str(tmp_path / "data"))  # the environment variable is a data_dir
     dm = toy_dm(tmp_path, data_dir=None)
@@ -454,19 +455,19 @@ def _bad_rows(tmp_path, rows, kind="tsv", **kwargs):
 
 
 @pytest.mark.parametrize("kind,rows,kwargs,error,match", [
-    ("tsv", [("ok", 0), ("fine", 1), ("bad", 5)], {}, ValueError,
+    ("tsv", [("ok", 0), ("fine", 1), ("bad", 5)], {}, DataError,
      r"train row 2 of toy file '.*train.tsv': label '5' in column 'label' is not one of the integers 0\.\.1"),
-    ("tsv", [("ok", 0), ("bad", "pos")], {}, ValueError, r"train row 1 .*label 'pos' .*integers 0\.\.1"),
-    ("jsonl", [("ok", 0), ("bad", None)], {}, ValueError, r"train row 1 .*label None in column 'label'"),
-    ("csv", [("ok", "neg"), ("bad", "NUM")], {"label_names": ["neg", "pos"], "num_classes": None}, ValueError,
+    ("tsv", [("ok", 0), ("bad", "pos")], {}, DataError, r"train row 1 .*label 'pos' .*integers 0\.\.1"),
+    ("jsonl", [("ok", 0), ("bad", None)], {}, DataError, r"train row 1 .*label None in column 'label'"),
+    ("csv", [("ok", "neg"), ("bad", "NUM")], {"label_names": ["neg", "pos"], "num_classes": None}, DataError,
      r"train row 1 .*label 'NUM' .*not one of \['neg', 'pos'\] \(or indices 0\.\.1\)"),
-    ("tsv", [("ok", 0), ("", 1)], {}, ValueError,
+    ("tsv", [("ok", 0), ("", 1)], {}, DataError,
      r"train row 1 of .*: text column 'text' is empty \(''\); .*on_bad_rows=drop"),
-    ("jsonl", [("ok", 0), (None, 1)], {}, ValueError, r"train row 1 of .*: text column 'text' is missing"),
-    ("tsv", [], {}, ValueError, r"train split of toy file '.*train.tsv' has no usable rows \(0 read\)"),
-    ("tsv", [("ok", 0)], {"text_column": "sentence"}, ValueError,
+    ("jsonl", [("ok", 0), (None, 1)], {}, DataError, r"train row 1 of .*: text column 'text' is missing"),
+    ("tsv", [], {}, DataError, r"train split of toy file '.*train.tsv' has no usable rows \(0 read\)"),
+    ("tsv", [("ok", 0)], {"text_column": "sentence"}, DataError,
      r"text_column='sentence' is not a column of toy train file .*; columns present: \['text', 'label'\]"),
-    ("parquet", [("ok", 0)], {"label_column": "y"}, ValueError,
+    ("parquet", [("ok", 0)], {"label_column": "y"}, DataError,
      r"label_column='y' is not a column .*columns present: \['text', 'label'\]"),
 ])
 def test_bad_rows_raise_before_tokenizer_training(tmp_path, monkeypatch, kind, rows, kwargs, error, match):
@@ -487,6 +488,174 @@ def test_on_bad_rows_drop_warns_with_the_count(tmp_path, caplog):
     assert any("dropped 2 of 40 train rows with a missing or empty 'text'" in w for w in warnings), warnings
 
 
+# ---------------------------------------------------------------------- bad files: encoding, gzip, delimiter
+
+
+def plain_lines(n: int, seed: int = 0) -> list[str]:
+    """CSV lines 'words,label' whose texts hold no delimiter or quote (safe for any quoting)."""
+    return [f"{t},{label}\n" for t, label in toy_rows(n + len(SPECIAL_TEXTS), seed)[len(SPECIAL_TEXTS):]]
+
+
+def _latin1_csv(path: Path) -> None:  # line 5 (the header is line 1) holds an é, written as latin-1
+    lines = ["text,label\n", *plain_lines(30)]
+    lines[4] = "un café noir,1\n"
+    path.write_bytes("".join(lines).encode("latin-1"))
+
+
+def _jsonl_gz_bytes(n: int = 2000) -> bytes:
+    return gzip.compress("".join(json.dumps({"text": t, "label": label}) + "\n" for t, label in toy_rows(n, 0)).encode())
+
+
+def _truncated_gz(path: Path) -> None:
+    data = _jsonl_gz_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+def _random_bytes_gz(path: Path) -> None:
+    path.write_bytes(random.Random(0).randbytes(4000))
+
+
+def _corrupt_gz(path: Path) -> None:  # a valid gzip header, garbage in the middle: the CRC check fails
+    data = bytearray(_jsonl_gz_bytes())
+    data[len(data) // 2: len(data) // 2 + 64] = random.Random(1).randbytes(64)
+    path.write_bytes(bytes(data))
+
+
+def _bad_deflate_gz(path: Path) -> None:  # a valid gzip header, a broken first deflate block: zlib.error
+    data = bytearray(_jsonl_gz_bytes())
+    data[10:18] = b"\xff" * 8
+    path.write_bytes(bytes(data))
+
+
+def _latin1_jsonl_gz(path: Path) -> None:  # pyarrow's JSON reader would keep the bad bytes silently
+    lines = [json.dumps({"text": t, "label": label}, ensure_ascii=False) + "\n" for t, label in toy_rows(30, 0)]
+    lines[2] = json.dumps({"text": "un café noir", "label": 1}, ensure_ascii=False) + "\n"
+    path.write_bytes(gzip.compress("".join(lines).encode("latin-1")))
+
+
+def _extra_field(line: int):
+    def write(path: Path) -> None:
+        lines = ["text,label\n", *plain_lines(30)]
+        lines[line - 1] = "great, fun,1\n"  # with quoting=3 the comma cannot be quoted: three fields
+        path.write_text("".join(lines))
+    return write
+
+
+def _bad_json_line_5(path: Path) -> None:
+    lines = [json.dumps({"text": t, "label": label}) + "\n" for t, label in toy_rows(30, 0)]
+    lines[4] = '{"text": "broken, "label": 1}\n'
+    path.write_text("".join(lines))
+
+
+def _keep(path: Path) -> None:  # the fixture file as written: the case is in the reading settings
+    pass
+
+
+COMMA_WITH_TSV_SETTINGS = {"delimiter": "\t", "quoting": 3}  # what a csv inherits from sst2.yaml
+BAD_FILES = [  # id, fixture kind, train file writer, datamodule arguments, found by validate()?, message parts
+    ("latin1-csv", "csv", _latin1_csv, {}, True,
+     ["line 5 is not valid utf-8 (byte 0xe9 at column 7)", "set data.encoding=latin-1", "re-save the file as UTF-8"]),
+    ("latin1-jsonl.gz", "jsonl.gz", _latin1_jsonl_gz, {}, True,
+     ["line 3 is not valid utf-8 (byte 0xe9 at column 17)", "data.encoding=latin-1"]),
+    ("truncated-jsonl.gz", "jsonl.gz", _truncated_gz, {}, True,
+     ["is not a complete gzip file (truncated or corrupt: Compressed file ended before the end-of-stream marker",
+      "re-download or re-compress it"]),
+    ("random-bytes-gz", "jsonl.gz", _random_bytes_gz, {}, True,
+     ["is not a complete gzip file (truncated or corrupt: Not a gzipped file", "re-download or re-compress it"]),
+    ("corrupt-crc-gz", "jsonl.gz", _corrupt_gz, {}, True,
+     ["is not a complete gzip file (truncated or corrupt: CRC check failed", "re-download or re-compress it"]),
+    ("corrupt-deflate-gz", "jsonl.gz", _bad_deflate_gz, {}, True,
+     ["is not a complete gzip file (truncated or corrupt: Error -3 while decompressing data: invalid block type)",
+      "re-download or re-compress it"]),
+    ("comma-file-tab-settings", "csv", _keep, COMMA_WITH_TSV_SETTINGS, True,
+     [("the header 'text,label' has one column with data.delimiter='\\t'; it looks comma-separated: "
+       "set data.delimiter=',' and data.quoting=0 (csv.QUOTE_MINIMAL).")]),
+    ("tab-file-comma-settings", "tsv", _keep, {"delimiter": ",", "quoting": 0}, True,
+     [("the header 'text\\tlabel' has one column with data.delimiter=','; it looks tab-separated: "
+       "set data.delimiter='\\t'.")]),
+    ("extra-field-line-7", "csv", _extra_field(7), {"quoting": 3}, False,
+     ["line 7 has 3 fields but the header has 2 (data.delimiter=',', data.quoting=3 (csv.QUOTE_NONE))",
+      "set data.quoting=0 (csv.QUOTE_MINIMAL), or use a data.delimiter the texts lack"]),
+    ("extra-field-line-2", "csv", _extra_field(2), {"quoting": 3}, True,  # pandas would shift it silently
+     ["line 2 has 3 fields but the header has 2", "data.quoting=0"]),
+    ("bad-json-line-5", "jsonl", _bad_json_line_5, {}, False,
+     ["line 5 is not valid JSON (Expecting ',' delimiter at column 20)", "check data.format"]),
+]
+
+
+@pytest.mark.parametrize("kind,write,kwargs,in_validate,parts", [c[1:] for c in BAD_FILES],
+                         ids=[c[0] for c in BAD_FILES])
+def test_bad_files_name_file_line_and_fix_before_tokenizer_training(tmp_path, monkeypatch, kind, write, kwargs,
+                                                                    in_validate, parts):
+    monkeypatch.setattr(datamodule_module, "train_tokenizer", lambda *a, **k: pytest.fail("trained a tokenizer"))
+    toy_data(tmp_path, kind)  # valid validation / test files
+    if kind == "csv":  # ones valid under quoting=3 too (no quoted commas)
+        for split in ("validation", "test"):
+            (tmp_path / f"data/toy/{split}.csv").write_text("".join(["text,label\n", *plain_lines(8, 1)]))
+    train = tmp_path / f"data/toy/train.{kind}"
+    write(train)
+    dm = toy_dm(tmp_path, kind, write=False, **kwargs)
+    if in_validate:  # the checks before any loading find it
+        with pytest.raises(DataError) as found:
+            dm.validate()
+    with pytest.raises(DataError) as err:
+        dm.prepare_data()
+    message = str(err.value)
+    if in_validate:
+        assert str(found.value) == message
+    print(f"\n{message}")
+    assert message.startswith(f"'{train}'") and "\n" not in message
+    for part in parts:
+        assert part in message
+    assert err.value.__cause__ is not None or in_validate  # load-time errors keep the library's as their cause
+    assert list((tmp_path / "cache").rglob("tokenizer-*.json")) == []
+
+
+@pytest.mark.parametrize("name,format,write,kwargs,part", [
+    ("train.csv", "csv", _latin1_csv, {}, "line 5 is not valid utf-8 (byte 0xe9 at column 7); set data.encoding="),
+    ("train.jsonl.gz", "json", _truncated_gz, {}, "is not a complete gzip file (truncated or corrupt: Compressed"),
+    ("train.jsonl.gz", "json", _corrupt_gz, {}, "is not a complete gzip file (truncated or corrupt: CRC check"),
+    ("train.jsonl.gz", "json", _bad_deflate_gz, {}, "is not a complete gzip file (truncated or corrupt: Error -3"),
+    ("train.csv", "csv", _extra_field(7), {"quoting": 3}, "line 7 has 3 fields but the header has 2"),
+], ids=["latin1-csv", "truncated-gz", "corrupt-crc-gz", "corrupt-deflate-gz", "extra-field"])
+def test_load_table_names_the_file_for_what_the_readers_raise(tmp_path, name, format, write, kwargs, part):
+    """The readers' own errors (pandas, pyarrow, gzip, wrapped by `datasets`) as DataErrors, for
+    files that reach load_table (validate() normally finds the encoding and gzip ones first)."""
+    path = tmp_path / name
+    write(path)
+    with pytest.raises(DataError) as err:
+        load_table(path, format, cache_dir=str(tmp_path / "hf"), **kwargs)
+    assert str(err.value).startswith(f"'{path}'") and part in str(err.value)
+    assert err.value.__cause__ is not None  # `raise ... from`: HYDRA_FULL_ERROR=1 shows the library's error
+
+
+def test_encoding_latin1_reads_the_latin1_file(tmp_path):
+    toy_data(tmp_path, "csv")
+    _latin1_csv(tmp_path / "data/toy/train.csv")
+    dm = toy_dm(tmp_path, "csv", write=False, encoding="latin-1")
+    dm.validate()
+    texts, _ = dm._read_splits()["train"]
+    assert texts[3] == "un café noir"  # line 5: the header, then rows 0..3
+    dm.setup()
+    assert len(dm.splits["train"]) == 30
+    assert dm.encoding == "iso8859-1"  # the codec's canonical name: latin1, latin-1, iso-8859-1 share a cache
+    assert toy_dm(tmp_path, "csv", write=False, encoding="ISO-8859-1").tokenizer_path == dm.tokenizer_path
+    assert toy_dm(tmp_path, "csv", write=False, encoding="cp1252").tokenizer_path != dm.tokenizer_path
+
+
+def test_validate_skips_the_full_read_once_the_cache_is_complete(tmp_path, monkeypatch):
+    dm = toy_dm(tmp_path, "jsonl.gz")
+    calls = []
+    real = datamodule_module.check_stream
+    monkeypatch.setattr(datamodule_module, "check_stream", lambda *a: calls.append(a[0].name) or real(*a))
+    dm.validate()
+    assert sorted(calls) == ["test.jsonl.gz", "train.jsonl.gz", "validation.jsonl.gz"]
+    dm.setup()  # builds the cache (validate: files read in full once more, as the cache was not complete)
+    calls.clear()
+    toy_dm(tmp_path, "jsonl.gz", write=False).validate()
+    assert calls == []  # same files (size, mtime) and settings: they were read in full when the cache was built
+
+
 @pytest.mark.parametrize("kwargs,match", [
     ({"max_len": 0}, r"max_len=0 is too small: it must be >= 3"),
     ({"batch_size": 0}, r"batch_size=0 .* must be >= 1"),
@@ -501,9 +670,10 @@ def test_on_bad_rows_drop_warns_with_the_count(tmp_path, caplog):
     ({"dev_split": 1.5, "files": {"train": "toy/train.tsv"}}, r"dev_split=1.5 must be a fraction in \(0, 1\)"),
     ({"files": {"train": "toy/train.tsv"}}, r"there is no validation split: add files.validation, or set dev_split"),
     ({"files": {"train": "toy/train.tsv", "dev": "toy/dev.tsv"}}, r"files must map 'train'.*got \['dev', 'train'\]"),
+    ({"encoding": "utf9"}, r"encoding='utf9' is not a known text encoding; use e.g. utf-8, latin-1"),
 ])
 def test_bad_arguments_fail_at_construction(tmp_path, kwargs, match):
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(ConfigError, match=match):
         toy_dm(tmp_path, **kwargs)
 
 

@@ -17,6 +17,7 @@ from hydra.utils import instantiate
 
 from mhalab.attention import MultiHeadAttention
 from mhalab.config import ConfigError, validate
+from mhalab.errors import DataError
 from mhalab.train import build, run
 
 GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir() and p.name != "hydra")
@@ -115,7 +116,7 @@ def test_bad_config_fails_before_data_is_read(overrides, match, tmp_path):
 
 def test_missing_data_dir_says_where_it_looked(tmp_path):
     cfg = compose_train([], tmp_path, tmp_path / "no-data-here")
-    with pytest.raises(FileNotFoundError, match="no-data-here"):
+    with pytest.raises(DataError, match="no-data-here"):
         build(cfg)
 
 

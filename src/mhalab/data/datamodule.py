@@ -1,7 +1,9 @@
 """TextClassificationDataModule: files (or the Hub) -> checked rows -> tokenizer -> cached ids -> batches.
 
 Configured entirely by plain arguments, so Hydra builds it from a YAML with `_target_`. The work:
-  validate()      cheap: arguments, data directory, files, header columns (nothing loaded yet);
+  validate()      before anything is loaded: data directory, files, header columns and delimiter,
+                  and, unless the cache is complete already, one pass over each text file (gzip
+                  stream intact, every byte valid in `encoding`; IMDB: 0.32 s for its two files);
   prepare_data()  read splits with HF `datasets`, check rows, hold out a dev split if asked, train
                   the tokenizer on train only, encode every split; tokenizer and ids are cached on
                   disk under a hash of the data files (size, mtime) and every setting that changes
@@ -31,7 +33,9 @@ from mhalab.data.reading import (
     DATA_DIR_ENV,
     FORMATS,
     check_columns,
+    check_encoding_name,
     check_files,
+    check_stream,
     clean_rows,
     load_table,
     read_columns,
@@ -48,6 +52,7 @@ from mhalab.data.tokenizer import (
     min_vocab_size,
     train_tokenizer,
 )
+from mhalab.errors import ConfigError, DataError
 
 log = logging.getLogger(__name__)
 
@@ -70,9 +75,10 @@ def _write_atomic(path: Path, write) -> None:
 class TextClassificationDataModule(L.LightningDataModule):
     """Source: `files` maps 'train' (required), 'validation', 'test' to paths relative to `data_dir`
     (else $MHALAB_DATA_DIR), read as `format` csv (with `delimiter`, `quoting`: 3 = csv.QUOTE_NONE),
-    json (JSON lines, .gz too) or parquet. With no data directory at all, `hub` = {path, name,
-    revision, splits: {our split: hub split}} loads through datasets.load_dataset; then only the keys
-    of `files` matter. Labels: ints 0..num_classes-1, or strings mapped to their index in `label_names`.
+    json (JSON lines, .gz too) or parquet; csv and json text is decoded as `encoding` (utf-8, or the
+    file's: latin-1, cp1252, ...). With no data directory at all, `hub` = {path, name, revision,
+    splits: {our split: hub split}} loads through datasets.load_dataset; then only the keys of `files`
+    matter. Labels: ints 0..num_classes-1, or strings mapped to their index in `label_names`.
     No validation file (absent or null): `dev_split` holds out a seeded stratified fraction of train.
 
     After setup(): `.tokenizer`, `.vocab_size`, `.pad_id`, `.cls_id`, `.num_classes`, `.label_names`,
@@ -92,6 +98,7 @@ class TextClassificationDataModule(L.LightningDataModule):
         format: str = "csv",
         delimiter: str = ",",
         quoting: int = 0,
+        encoding: str = "utf-8",
         hub: dict | None = None,
         dev_split: float | None = None,
         seed: int = 42,
@@ -117,6 +124,7 @@ class TextClassificationDataModule(L.LightningDataModule):
         self.name, self.files = name, {str(k): str(v) for k, v in dict(files).items() if v is not None}
         self.text_column, self.label_column = text_column, label_column
         self.data_dir, self.format, self.delimiter, self.quoting = data_dir, format, delimiter, quoting
+        self.encoding = encoding
         self.hub = {k: (dict(v) if hasattr(v, "items") else v) for k, v in dict(hub).items()} if hub else None
         self.dev_split, self.seed = dev_split, seed
         self.tokenizer_kind, self.target_vocab_size = tokenizer_kind, vocab_size
@@ -145,7 +153,9 @@ class TextClassificationDataModule(L.LightningDataModule):
     def _check_arguments(self, num_classes, label_names) -> None:
         """Pure argument checks, at construction: a bad config fails before anything is read."""
         def bad(msg):
-            raise ValueError(f"data config '{self.name}': {msg}")
+            raise ConfigError(f"data config '{self.name}': {msg}")
+
+        self.encoding = check_encoding_name(self.encoding, f"data config '{self.name}'")  # canonical: one cache key
 
         if self.format not in FORMATS:
             bad(f"format='{self.format}' is not supported; choose one of {list(FORMATS)}.")
@@ -176,11 +186,12 @@ class TextClassificationDataModule(L.LightningDataModule):
                 "of train (the test split is never used for model selection).")
 
     def validate(self) -> None:
-        """Cheap checks of the source (data directory, files, header columns), before any loading."""
+        """Checks of the source (data directory, files, header columns, delimiter), before any loading;
+        then, if the cache is not complete, one pass over each csv / json file (gzip stream, encoding)."""
         data_dir = resolve_data_dir(self.data_dir)
         if data_dir is None:
             if not self.hub:
-                raise FileNotFoundError(
+                raise DataError(
                     f"no data directory for '{self.name}': set data.data_dir=/path/to/data or the {DATA_DIR_ENV} "
                     f"environment variable (or data.hub to load from the Hugging Face Hub)."
                 )
@@ -188,9 +199,14 @@ class TextClassificationDataModule(L.LightningDataModule):
             return
         self._paths = check_files(self.name, data_dir, self.files)
         for split, path in self._paths.items():
-            columns = read_columns(path, self.format, self.delimiter, self.quoting)
+            columns = read_columns(path, self.format, self.delimiter, self.quoting, self.encoding)
             check_columns(f"{self.name} {split} file '{path}'", columns,
                           {"text_column": self.text_column, "label_column": self.label_column})
+        if self.format != "parquet" and not (self._cache_paths()[1] / "meta.json").exists():
+            # A cached file (same size and mtime) was read in full before. JSON lines must be checked
+            # here: pyarrow's reader keeps bytes that are not UTF-8, and they fail only when used.
+            for path in self._paths.values():
+                check_stream(path, self.encoding)
 
     # ------------------------------------------------------------------ cache
 
@@ -206,6 +222,8 @@ class TextClassificationDataModule(L.LightningDataModule):
             "names": self._labels_are_names, "dev_split": self.dev_split, "seed": self.seed if self.dev_split else None,
             "on_bad_rows": self.on_bad_rows,
         }
+        if self.encoding != "utf-8":  # (absent for utf-8: the caches built before this key existed stay valid)
+            data["encoding"] = self.encoding
         tok = dict(data, kind=self.tokenizer_kind, lowercase=self.lowercase)
         if self.tokenizer_kind != "bytes":
             tok.update(vocab_size=self.target_vocab_size, min_frequency=self.min_frequency)
@@ -227,8 +245,8 @@ class TextClassificationDataModule(L.LightningDataModule):
             if self._paths is not None:
                 path = self._paths[split]
                 where = f"{self.name} file '{path}'"
-                columns = read_columns(path, self.format, self.delimiter, self.quoting)
-                table = load_table(path, self.format, self.delimiter, self.quoting, columns, hf_cache)
+                columns = read_columns(path, self.format, self.delimiter, self.quoting, self.encoding)
+                table = load_table(path, self.format, self.delimiter, self.quoting, columns, hf_cache, self.encoding)
             else:  # the online path: datasets.load_dataset(path, name) and its split names
                 import datasets
 
@@ -247,8 +265,8 @@ class TextClassificationDataModule(L.LightningDataModule):
             texts, labels = raw["train"]
             train_idx, dev_idx = stratified_holdout(labels, self.dev_split, self.seed)
             if not dev_idx or not train_idx:
-                raise ValueError(f"dev_split={self.dev_split} of {len(labels)} train rows leaves an empty "
-                                 f"{'validation' if not dev_idx else 'train'} split; change dev_split.")
+                raise DataError(f"dev_split={self.dev_split} of {len(labels)} train rows leaves an empty "
+                                f"{'validation' if not dev_idx else 'train'} split; change dev_split.")
             raw["validation"] = ([texts[i] for i in dev_idx], [labels[i] for i in dev_idx])
             raw["train"] = ([texts[i] for i in train_idx], [labels[i] for i in train_idx])
         return {split: raw[split] for split in SPLITS if split in raw}

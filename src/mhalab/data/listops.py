@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 
 from mhalab.data.subset import SubsetDataModule
+from mhalab.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -105,9 +106,9 @@ def generate_examples(n: int, seed: int = 0, min_length: int = 500, max_length: 
                       max_args: int = 10, max_tries: int | None = None) -> list[tuple[str, int]]:
     """n distinct (text, value) examples with min_length <= tokens <= max_length, for a seed."""
     if not 1 <= min_length <= max_length:
-        raise ValueError(f"ListOps lengths need 1 <= min_length ({min_length}) <= max_length ({max_length}).")
+        raise ConfigError(f"ListOps lengths need 1 <= min_length ({min_length}) <= max_length ({max_length}).")
     if max_depth < 1 or max_args < 2:
-        raise ValueError(f"ListOps needs max_depth >= 1 (got {max_depth}) and max_args >= 2 (got {max_args}).")
+        raise ConfigError(f"ListOps needs max_depth >= 1 (got {max_depth}) and max_args >= 2 (got {max_args}).")
     rng = random.Random(seed)
     max_tries = max_tries if max_tries is not None else 10_000 * n + 1_000_000
     seen: set[str] = set()
@@ -194,7 +195,7 @@ class ListOpsDataModule(SubsetDataModule):
                  max_args: int = 10, generator_seed: int = 0, tokenizer_kind: str = "word", vocab_size: int = 64,
                  lowercase: bool = False, min_frequency: int = 1, max_len: int = 2002, **kwargs):
         if max_len < max_length + 2:
-            raise ValueError(
+            raise ConfigError(
                 f"data config '{name}': max_len={max_len} < max_length + 2 = {max_length + 2} ([CLS] and [SEP]): "
                 f"truncating a ListOps sequence changes its value; raise max_len or lower data.max_length."
             )

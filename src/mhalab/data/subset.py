@@ -18,6 +18,7 @@ from pathlib import Path
 
 from mhalab.data.datamodule import SPLITS, TextClassificationDataModule
 from mhalab.data.holdout import stratified_holdout
+from mhalab.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +29,7 @@ class SubsetDataModule(TextClassificationDataModule):
         wanted = {str(k): (int(v) if v is not None else None) for k, v in dict(max_examples or {}).items()}
         bad = set(wanted) - set(SPLITS)
         if bad or any(v is not None and v < 1 for v in wanted.values()):
-            raise ValueError(f"data config '{self.name}': max_examples must map splits {list(SPLITS)} to counts >= 1 "
+            raise ConfigError(f"data config '{self.name}': max_examples must map splits {list(SPLITS)} to counts >= 1 "
                              f"(or null for all), got {wanted}.")
         self.max_examples = {k: v for k, v in wanted.items() if v is not None}
 
@@ -36,7 +37,7 @@ class SubsetDataModule(TextClassificationDataModule):
         raw = super()._read_splits()
         for split, n in self.max_examples.items():
             if split not in raw:
-                raise ValueError(f"{self.name}: max_examples names split '{split}', which this data set lacks "
+                raise ConfigError(f"{self.name}: max_examples names split '{split}', which this data set lacks "
                                  f"(splits: {sorted(raw)}).")
             texts, labels = raw[split]
             if n >= len(labels):
