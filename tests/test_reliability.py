@@ -1,4 +1,4 @@
-"""Numerical faults, failed sweep members, re-runs that lose nothing, wandb that resumes its run."""
+"""Numerical faults, failed sweep members, re-runs that lose nothing (wandb: tests/test_loggers.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ import pytest
 import torch
 from conftest import REPO, compose_train
 
-from mhalab.loggers import prepare_wandb
 from mhalab.model import SequenceClassifier
 from mhalab.module import NonFiniteLossError
 from mhalab.train import run
@@ -91,27 +90,3 @@ def test_sweep_with_an_invalid_member_finishes_the_rest_reports_and_reruns_skip_
     assert (good / "metrics.json").read_text() == finished_before  # untouched, not re-trained
     assert sorted(p.name for p in (good / "checkpoints").iterdir()) == ckpts_before
 
-
-def test_wandb_is_offline_without_a_key_and_resumes_the_checkpoints_run(tmp_path, monkeypatch):
-    monkeypatch.delenv("WANDB_API_KEY", raising=False)
-    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc either
-    ckpt = tmp_path / "last.ckpt"
-    torch.save({"mhalab": {"wandb_id": "abc123"}}, ckpt)
-    kwargs = prepare_wandb({"project": "mhalab", "group": None}, str(ckpt), multirun=False)
-    assert kwargs["offline"] is True and kwargs["id"] == "abc123" and kwargs["resume"] == "allow"
-    assert "id" not in prepare_wandb({"project": "mhalab"}, None, multirun=False)
-
-
-@pytest.mark.slow
-def test_wandb_offline_run_resumes_with_the_same_run_id(tmp_path, toy_data_dir, monkeypatch):
-    monkeypatch.delenv("WANDB_API_KEY", raising=False)
-    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb"))
-    first = compose_train(["logger=wandb", "max_epochs=1", "test_after_fit=false"], tmp_path / "a",
-                          toy_data_dir, tmp_path / "cache")
-    run(first)
-    resumed = compose_train(["logger=wandb", "max_epochs=2", "test_after_fit=false", f"ckpt_path={tmp_path / 'a'}"],
-                            tmp_path / "b", toy_data_dir, tmp_path / "cache")
-    run(resumed)
-    a = json.loads((tmp_path / "a" / "metrics.json").read_text())
-    b = json.loads((tmp_path / "b" / "metrics.json").read_text())
-    assert a["wandb_id"] and a["wandb_id"] == b["wandb_id"]
