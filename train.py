@@ -9,10 +9,12 @@ import hydra
 from omegaconf import DictConfig
 
 import mhalab.config  # noqa: F401  (registers the ${repo_root:}, ${mul:}, ${run_id:} resolvers)
+from mhalab.cli import one_line_errors
 from mhalab.train import run
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
+@one_line_errors
 def main(cfg: DictConfig) -> float:
     return run(cfg)
 

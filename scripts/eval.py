@@ -14,13 +14,15 @@ import sys
 from pathlib import Path
 
 import lightning as L
-import torch
-from hydra.utils import instantiate
 from rich.console import Console
 from rich.table import Table
 from torch.utils.data import DataLoader
 
+from mhalab import checkpoint
+from mhalab.cli import one_line_errors
 from mhalab.data import Collate, EncodedSplit, LengthBatchSampler, encode_texts
+from mhalab.config import instantiate
+from mhalab.errors import ConfigError
 from mhalab.module import Classifier
 
 USAGE = "usage: python scripts/eval.py ckpt_path=PATH [split=test|validation|train] [data_dir=DIR] [batch_size=N] [out=FILE]"
@@ -31,23 +33,19 @@ def parse(argv: list[str]) -> dict[str, str]:
     for a in argv:
         key, sep, value = a.partition("=")
         if not sep or key not in ("ckpt_path", "split", "data_dir", "batch_size", "out"):
-            sys.exit(f"eval.py: unexpected argument '{a}'\n{USAGE}")
+            raise ConfigError(f"unexpected argument '{a}'; {USAGE}")
         args[key] = value
     if "ckpt_path" not in args:
-        sys.exit(f"eval.py: ckpt_path is required\n{USAGE}")
+        raise ConfigError(f"ckpt_path is required; {USAGE}")
+    if "batch_size" in args and not args["batch_size"].isdigit():
+        raise ConfigError(f"batch_size={args['batch_size']!r} must be a positive integer.")
     return args
 
 
 def evaluate(ckpt_path: str, split: str = "test", data_dir: str | None = None, batch_size: int | None = None) -> dict:
-    path = Path(ckpt_path)
-    if path.is_dir():
-        path = path / "checkpoints" / "last.ckpt"
-    if not path.is_file():
-        raise FileNotFoundError(f"ckpt_path={ckpt_path} does not exist (looked for {path}).")
-    ckpt = torch.load(path, map_location="cpu", weights_only=False)
-    extra = ckpt.get("mhalab")
-    if not extra:
-        raise ValueError(f"{path} was not written by mhalab's train.py (no 'mhalab' entry).")
+    path = checkpoint.resolve(ckpt_path)  # the one resolver: a .ckpt, a run dir, or `last`
+    ckpt = checkpoint.load(path)  # weights_only: a checkpoint cannot run code
+    extra = checkpoint.meta(path)["mhalab"]
     tokenizer_json = ckpt[extra["datamodule_key"]]["tokenizer"]
     data_cfg = dict(extra["data"])
     if data_dir:
@@ -56,14 +54,14 @@ def evaluate(ckpt_path: str, split: str = "test", data_dir: str | None = None, b
     dm.validate()
     splits = dm._read_splits()  # checked rows, with the same seeded dev hold-out as in training
     if split not in splits:
-        raise ValueError(f"split '{split}' is not in this data set; it has {sorted(splits)}.")
+        raise ConfigError(f"split={split} is not a split of this data set; choose one of {', '.join(splits)}.")
     texts, labels = splits[split]
     encoded = EncodedSplit.from_lists(encode_texts(tokenizer_json, texts, dm.max_len), labels)
     loader = DataLoader(encoded, batch_sampler=LengthBatchSampler(encoded.lengths, batch_size or dm.eval_batch_size,
                                                                   shuffle=False, shard=False),
                         collate_fn=Collate(dm.pad_id))
 
-    module = Classifier.load_from_checkpoint(path, map_location="cpu")
+    module = Classifier.load_from_checkpoint(path, map_location="cpu", weights_only=True)
     trainer = L.Trainer(accelerator="auto", devices=1, logger=False, enable_progress_bar=False,
                         enable_model_summary=False)
     result = trainer.test(module, dataloaders=loader, verbose=False)[0]
@@ -72,6 +70,7 @@ def evaluate(ckpt_path: str, split: str = "test", data_dir: str | None = None, b
             **{k.replace("test/", f"{split}/"): float(v) for k, v in result.items()}}
 
 
+@one_line_errors
 def main() -> None:
     args = parse(sys.argv[1:])
     res = evaluate(args["ckpt_path"], args.get("split", "test"), args.get("data_dir"),

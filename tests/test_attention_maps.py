@@ -10,6 +10,8 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
+
+from mhalab.errors import CheckpointError
 from torch.utils.data import DataLoader
 
 from mhalab.attention_maps import (
@@ -161,7 +163,7 @@ def test_both_checkpoint_layouts_carry_the_tokenizer(checkpoints, tmp_path):
     legacy = make_checkpoint(tmp_path / "legacy.ckpt", legacy=True)
     for path in (checkpoints["full"], legacy, checkpoints["full"].parent):  # a dir without last.ckpt: error
         if path.is_dir():
-            with pytest.raises(FileNotFoundError):
+            with pytest.raises(CheckpointError, match="does not exist"):
                 load_checkpoint(path)
             continue
         module, tok = load_checkpoint(path)

@@ -506,11 +506,11 @@ def test_bad_activation_is_refused_everywhere():
 
 
 def test_embed_dim_not_divisible_is_refused_everywhere():
-    with pytest.raises(ValueError, match=r"embed_dim \(18\) must be divisible by num_heads \(4\)"):
+    with pytest.raises(ValueError, match=r"num_heads=4 does not divide embed_dim=18 \(dim per head would be 4.50\)"):
         TransformerEncoderLayer(18, 4, FF)
-    with pytest.raises(ValueError, match=r"embed_dim \(18\) must be divisible by num_heads \(4\)"):
+    with pytest.raises(ValueError, match=r"num_heads=4 does not divide embed_dim=18 \(dim per head would be 4.50\)"):
         TransformerEncoder(2, 18, 4, FF)
-    with pytest.raises(ValueError, match=r"embed_dim \(18\) must be divisible by num_heads \(4\)"):
+    with pytest.raises(ValueError, match=r"num_heads=4 does not divide embed_dim=18 \(dim per head would be 4.50\)"):
         OfficialEncoder(2, 18, 4, FF)
 
 

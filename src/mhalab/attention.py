@@ -96,6 +96,20 @@ def _blocked_sdpa(Q: Tensor, K: Tensor, V: Tensor, mask: Tensor | None, p: float
     return torch.cat(outs, dim=-2)  # (..., L_q, d)
 
 
+def check_heads(embed_dim: int, num_heads: int, names: tuple[str, str] = ("embed_dim", "num_heads")) -> None:
+    """The one rule for head counts: both positive, and num_heads divides embed_dim (each head gets
+    embed_dim / num_heads dims). `names` are the caller's names for the two (the config says dim, heads)."""
+    e, h = names
+    if embed_dim < 1 or num_heads < 1:
+        raise ValueError(f"{e}={embed_dim} and {h}={num_heads} must both be >= 1.")
+    if embed_dim % num_heads:
+        ok = [k for k in range(1, min(embed_dim, 64) + 1) if embed_dim % k == 0]
+        raise ValueError(
+            f"{h}={num_heads} does not divide {e}={embed_dim} ({e.replace('embed_', '')} per head would be "
+            f"{embed_dim / num_heads:.2f}); choose {h} in {ok} or a {e} that is a multiple of {num_heads}."
+        )
+
+
 class MultiHeadAttention(nn.Module):
     """The article's MHA: project with W_Q/W_K/W_V, split heads, attend, merge, project with W_O.
 
@@ -119,14 +133,7 @@ class MultiHeadAttention(nn.Module):
         position_bias: nn.Module | None = None,
     ):
         super().__init__()
-        if embed_dim <= 0 or num_heads <= 0:
-            raise ValueError(f"embed_dim ({embed_dim}) and num_heads ({num_heads}) must be positive.")
-        if embed_dim % num_heads != 0:
-            raise ValueError(
-                f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads}): each head gets "
-                f"embed_dim / num_heads dims. Try num_heads in "
-                f"{[h for h in range(1, min(embed_dim, 64) + 1) if embed_dim % h == 0]}."
-            )
+        check_heads(embed_dim, num_heads)
         self.embed_dim = embed_dim
         self.num_heads = num_heads
         self.head_dim = embed_dim // num_heads

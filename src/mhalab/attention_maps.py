@@ -28,6 +28,8 @@ import lightning as L
 import torch
 from torch import Tensor, nn
 
+from mhalab.errors import CheckpointError, UserError
+
 log = logging.getLogger(__name__)
 
 NO_WEIGHTS = {
@@ -257,17 +259,14 @@ def load_checkpoint(ckpt_path: str | Path, device: str = "cpu"):
     from mhalab.data.tokenizer import load_tokenizer
     from mhalab.module import Classifier
 
-    path = Path(ckpt_path)
-    if path.is_dir():
-        path = path / "checkpoints" / "last.ckpt"
-    if not path.is_file():
-        raise FileNotFoundError(f"ckpt_path={ckpt_path} is not a file (looked for {path}); pass a .ckpt written "
-                                f"by train.py or its run dir.")
-    tokenizer, names = checkpoint_tokenizer(torch.load(path, map_location="cpu", weights_only=False))
+    from mhalab import checkpoint
+
+    path = checkpoint.resolve(ckpt_path)  # the one resolver: a .ckpt, a run dir, or `last`
+    tokenizer, names = checkpoint_tokenizer(checkpoint.load(path))  # weights_only: it cannot run code
     if not tokenizer:
-        raise ValueError(f"{path} carries no tokenizer (neither the datamodule's state nor checkpoint['mhalab']); "
+        raise CheckpointError(f"{path} carries no tokenizer (neither the datamodule's state nor checkpoint['mhalab']); "
                          f"it was not written by train.py, so the text cannot be turned into the model's ids.")
-    module = Classifier.load_from_checkpoint(path, map_location=device, compile=False)
+    module = Classifier.load_from_checkpoint(path, map_location=device, compile=False, weights_only=True)
     module.extra_checkpoint = dict(getattr(module, "extra_checkpoint", None) or {}, label_names=names)
     module.eval()
     return module, load_tokenizer(tokenizer)
@@ -321,8 +320,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except NoAttentionWeights as e:
         print(f"attention_map: {e}", file=sys.stderr)
         return 3
-    except (FileNotFoundError, ValueError) as e:
-        print(f"attention_map: error: {e}", file=sys.stderr)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"{res['layers']} layers x {res['heads']} heads over {len(res['tokens'])} positions; "
           f"prediction {res['prediction']}; wrote {res['out']}")

@@ -6,6 +6,7 @@ import logging
 import os
 import random
 import signal
+import threading
 from pathlib import Path
 
 import lightning as L
@@ -16,22 +17,47 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 log = logging.getLogger("mhalab")
 
 
-class SaveOnInterrupt(L.Callback):
-    """On Ctrl-C (SIGINT) or a cluster's pre-emption (SIGTERM), save `last.ckpt` before exiting.
+class GracefulStop(L.Callback):
+    """Ctrl-C and SIGTERM stop training at a batch boundary and save `last.ckpt` there: a resume is exact.
 
-    Lightning raises SIGTERMException after the current batch finishes, and KeyboardInterrupt
-    wherever it lands; both reach `on_exception` while the loop state is still intact.
+    Lightning turns SIGTERM (a cluster's pre-emption) into SIGTERMException once the batch under way
+    has finished and been logged. A Ctrl-C would raise KeyboardInterrupt wherever it lands, mid-batch,
+    and a checkpoint saved then sits between two states (a resumed run ended 1-2 points off). So while
+    training, the first Ctrl-C is handed to that same SIGTERM path; a second one stops at once without
+    saving, and a resume then starts from the last checkpoint on disk (the step or epoch checkpoint).
     """
 
     def __init__(self, dirpath: str | Path):
         self.dirpath = Path(dirpath)
+        self.ctrl_c = False  # the stop came from the keyboard (the run's record says so)
+        self._previous_handler = None
+
+    def _on_sigint(self, signum, frame) -> None:
+        if self.ctrl_c:  # the second Ctrl-C
+            self._restore()
+            raise KeyboardInterrupt
+        self.ctrl_c = True
+        log.warning("Ctrl-C: stopping after this batch and saving last.ckpt (press Ctrl-C again to stop at once)")
+        os.kill(os.getpid(), signal.SIGTERM)  # Lightning's own graceful stop (its SIGTERM handler)
+
+    def on_train_start(self, trainer, pl_module):
+        if threading.current_thread() is threading.main_thread():  # signals reach the main thread only
+            self._previous_handler = signal.signal(signal.SIGINT, self._on_sigint)
+
+    def on_train_end(self, trainer, pl_module):
+        self._restore()
+
+    def _restore(self) -> None:
+        if self._previous_handler is not None:
+            signal.signal(signal.SIGINT, self._previous_handler)
+            self._previous_handler = None
 
     def on_exception(self, trainer, pl_module, exception):
-        if isinstance(exception, (KeyboardInterrupt, SIGTERMException)) and trainer.state.fn == "fit":
+        self._restore()
+        if isinstance(exception, SIGTERMException) and trainer.state.fn == "fit":
             path = self.dirpath / "last.ckpt"
             trainer.save_checkpoint(path)
-            log.warning("interrupted at global step %d; saved %s (resume with ckpt_path=%s)",
-                        trainer.global_step, path, path)
+            log.warning("interrupted at global step %d; saved %s", trainer.global_step, path)
 
 
 def _numpy_state_to_safe(state: tuple) -> list:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import os
 import secrets
@@ -11,6 +10,10 @@ from pathlib import Path
 
 import torch
 from omegaconf import DictConfig, OmegaConf
+
+from mhalab.errors import ConfigError
+
+__all__ = ["ConfigError", "register_resolvers", "validate"]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -49,88 +52,117 @@ def register_resolvers() -> None:
 register_resolvers()
 
 
-class ConfigError(ValueError):
-    """A config value that cannot work; raised before any data is read or model built."""
+def _int(cfg: DictConfig, key: str, minimum: int | None = None, what: str = "") -> int:
+    """cfg[key] as an int, or a ConfigError naming the key (a root shortcut by its short name)."""
+    value = OmegaConf.select(cfg, key)
+    name = key.split(".")[-1] if key.split(".")[-1] in _SHORTCUTS else key
+    if isinstance(value, bool) or not isinstance(value, (int, str)) or not str(value).lstrip("-").isdigit():
+        raise ConfigError(f"{name}={value!r} must be an integer{what}.")
+    value = int(value)
+    if minimum is not None and value < minimum:
+        raise ConfigError(f"{name}={value} must be >= {minimum}{what}.")
+    return value
+
+
+def _float(cfg: DictConfig, key: str) -> float | None:
+    value = OmegaConf.select(cfg, key)
+    if value is None:
+        return None
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        name = key.split(".")[-1] if key.split(".")[-1] in _SHORTCUTS else key
+        raise ConfigError(f"{name}={value!r} must be a number.") from None
+
+
+def _choice(value, choices, key: str) -> None:
+    if value not in choices:
+        raise ConfigError(f"unknown {key} '{value}'; choose one of {', '.join(map(str, choices))}.")
+
+
+# the root shortcuts (conf/train.yaml, and max_len / batch_size from conf/data): messages use their names
+_SHORTCUTS = ("dim", "heads", "layers", "ff_dim", "ff_ratio", "dropout", "lr", "batch_size", "max_epochs",
+              "max_len", "seed")
 
 
 def validate(cfg: DictConfig) -> None:
-    """Cheap checks of the composed config. Each message names the value and the fix."""
-    from mhalab.variants import ATTENTIONS, POSITIONS, check_combination
+    """Cheap checks of the composed config, before any data is read. Each message names the value and the
+    fix. The rules are the modules' own (their constants and check functions), so there is one of each."""
+    from mhalab.attention import check_heads
+    from mhalab.encoder import ACTIVATIONS
+    from mhalab.model import ENCODERS, POOLINGS
+    from mhalab.module import SCHEDULES
+    from mhalab.variants import check_attention
 
     m = cfg.model
-    dim, heads = int(m.dim), int(m.heads)
-    if heads < 1 or dim < 1:
-        raise ConfigError(f"dim={dim} and heads={heads} must both be >= 1.")
-    if dim % heads:
-        ok = [h for h in range(1, min(dim, 64) + 1) if dim % h == 0]
-        raise ConfigError(
-            f"heads={heads} does not divide dim={dim} (head_dim would be {dim / heads:.2f}); "
-            f"choose heads in {ok} or a dim that is a multiple of {heads}."
-        )
-    if int(m.layers) < 1:
-        raise ConfigError(f"layers={m.layers} must be >= 1.")
-    if int(m.ff_dim) < 1:
-        raise ConfigError(f"ff_dim={m.ff_dim} must be >= 1.")
-    for key in ("dropout", "embed_dropout"):
-        p = m.get(key)
-        if p is not None and not 0.0 <= float(p) < 1.0:
-            raise ConfigError(f"model.{key}={p} must be in [0, 1).")
-    if m.attention not in ATTENTIONS:
-        raise ConfigError(f"unknown model.attention '{m.attention}'; choose one of {', '.join(ATTENTIONS)}.")
-    if m.pos not in POSITIONS:
-        raise ConfigError(f"unknown model.pos '{m.pos}'; choose one of {', '.join(POSITIONS)}.")
-    try:
-        check_combination(m.attention, m.pos)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+    dim, heads = _int(cfg, "model.dim", 1), _int(cfg, "model.heads", 1)
+    _ok(check_heads, dim, heads, ("dim", "heads"))
+    _int(cfg, "model.layers", 1)
+    _int(cfg, "model.ff_dim", 1)
+    max_len = _int(cfg, "data.max_len", 1, " (tokens kept per text)")
+    model_max_len = _int(cfg, "model.max_len", 1)
+    if model_max_len < max_len:
+        raise ConfigError(f"model.max_len={model_max_len} is below data.max_len={max_len}: the position encoding "
+                          f"would end before the longest batch; set both with max_len=N.")
+    _int(cfg, "data.batch_size", 1)
+    for key in ("model.dropout", "model.embed_dropout"):
+        p = _float(cfg, key)
+        if p is not None and not 0.0 <= p < 1.0:
+            raise ConfigError(f"{key}={p} must be in [0, 1).")
+    _choice(m.encoder, ENCODERS, "model.encoder")
+    _choice(m.activation, tuple(ACTIVATIONS), "model.activation")
+    _choice(m.pooling, POOLINGS, "model.pooling")
     if m.encoder == "official" and (m.attention != "full" or m.pos not in ("sinusoidal", "learned")):
         raise ConfigError(f"model=official supports attention=full with pos=sinusoidal|learned only (got "
                           f"attention={m.attention}, pos={m.pos}); use model=custom for the variants.")
-    d = cfg.data
-    if int(d.max_len) < 1:
-        raise ConfigError(f"max_len={d.max_len} must be >= 1 (tokens kept per text).")
-    if int(d.batch_size) < 1:
-        raise ConfigError(f"batch_size={d.batch_size} must be >= 1.")
-    if float(cfg.optim.lr) <= 0:
-        raise ConfigError(f"lr={cfg.optim.lr} must be > 0.")
+    options = OmegaConf.to_container(m.get("attention_options") or {}, resolve=True)
+    _ok(check_attention, m.attention, m.pos, options, model_max_len + (m.pooling == "cls"))
+
+    lr = _float(cfg, "optim.lr")
+    if lr is None or lr <= 0:
+        raise ConfigError(f"lr={lr} must be > 0.")
+    _choice(cfg.optim.schedule, SCHEDULES, "optim.schedule")
+    warmup = _float(cfg, "optim.warmup_ratio")
+    if warmup is None or not 0.0 <= warmup < 1.0:
+        raise ConfigError(f"optim.warmup_ratio={warmup} must be in [0, 1).")
+
+    t = cfg.trainer
+    max_steps = _int(cfg, "trainer.max_steps", -1) if t.get("max_steps") is not None else -1
+    if max_steps <= 0 and not t.get("fast_dev_run"):
+        epochs = _int(cfg, "trainer.max_epochs")
+        if epochs == 0:
+            raise ConfigError("max_epochs=0 trains nothing; set max_epochs >= 1 (debug=fast runs one batch of each split).")
+        if epochs < 0:
+            raise ConfigError(f"max_epochs={epochs} would train forever and the lr schedule needs a length; set "
+                              f"max_epochs >= 1, or trainer.max_steps=N.")
+    _int(cfg, "seed", 0)
     if cfg.get("ckpt_path"):
-        check_checkpoint(cfg)
+        from mhalab import checkpoint
+
+        path = checkpoint.resolve(str(cfg.ckpt_path))
+        checkpoint.check_fits(path, OmegaConf.to_container(m, resolve=True),
+                              OmegaConf.to_container(cfg.data, resolve=True))
 
 
-def resolve_ckpt_path(ckpt_path: str, outputs: Path | None = None) -> Path:
-    """A .ckpt file, a run dir (its checkpoints/last.ckpt), or 'last' (newest last.ckpt under outputs/)."""
-    if ckpt_path == "last":
-        outputs = outputs or REPO_ROOT / "outputs"
-        found = sorted(outputs.glob("**/checkpoints/last.ckpt"), key=lambda p: p.stat().st_mtime)
-        if not found:
-            raise ConfigError(f"ckpt_path=last but no checkpoints/last.ckpt exists under {outputs}.")
-        return found[-1]
-    p = Path(ckpt_path)
-    if p.is_dir():
-        p = p / "checkpoints" / "last.ckpt"
-    if not p.is_file():
-        raise ConfigError(f"ckpt_path={ckpt_path} does not exist (looked for {p}); pass a .ckpt file or a run dir.")
-    return p
+def instantiate(cfg, **kwargs):
+    """hydra.utils.instantiate, except that a user error raised by the constructor (the datamodule checks its
+    arguments there) comes out as itself, not wrapped in Hydra's InstantiationException."""
+    from hydra.errors import InstantiationException
+    from hydra.utils import instantiate as hydra_instantiate
+
+    from mhalab.errors import UserError
+
+    try:
+        return hydra_instantiate(cfg, **kwargs)
+    except InstantiationException as e:
+        if isinstance(e.__cause__, UserError):
+            raise e.__cause__ from None
+        raise
 
 
-def checkpoint_meta(path: str) -> dict:
-    """A checkpoint's small parts (hyper-parameters, mhalab's extras), read once for every pre-run check."""
-    return _checkpoint_meta(path, Path(path).stat().st_mtime_ns)  # a rewritten file is read again
-
-
-@functools.lru_cache(maxsize=4)
-def _checkpoint_meta(path: str, mtime_ns: int) -> dict:
-    ckpt = torch.load(path, map_location="cpu", weights_only=False)
-    return {"hyper_parameters": ckpt.get("hyper_parameters", {}), "mhalab": ckpt.get("mhalab", {})}
-
-
-def check_checkpoint(cfg: DictConfig) -> None:
-    """The checkpoint must belong to a model of the configured shape, or resuming would fail late."""
-    p = resolve_ckpt_path(str(cfg.ckpt_path))
-    saved = checkpoint_meta(str(p))["hyper_parameters"].get("model", {})
-    for key in ("encoder", "dim", "heads", "layers", "ff_dim", "pos", "attention", "pooling", "max_len"):
-        if key in saved and saved[key] != cfg.model.get(key):
-            raise ConfigError(
-                f"ckpt_path={p} holds a model with {key}={saved[key]}, but the config has "
-                f"{key}={cfg.model.get(key)}; resume with the same model settings (e.g. {key}={saved[key]})."
-            )
+def _ok(check, *args) -> None:
+    """Run a module's own check (it raises ValueError, for library users) as a config check."""
+    try:
+        check(*args)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None

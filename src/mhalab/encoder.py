@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from mhalab.attention import MultiHeadAttention
+from mhalab.attention import MultiHeadAttention, check_heads
 from mhalab.masks import Unpadding
 
 ACTIVATIONS = {"relu": nn.ReLU, "gelu": nn.GELU}
@@ -259,8 +259,7 @@ class OfficialEncoder(nn.Module):
         final_norm: bool = False,
     ):
         super().__init__()
-        if embed_dim % num_heads != 0:
-            raise ValueError(f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads}).")
+        check_heads(embed_dim, num_heads)
         _activation(activation)  # same check and message as ours
         layer = nn.TransformerEncoderLayer(
             embed_dim, num_heads, ff_dim, dropout, activation=activation, batch_first=True, norm_first=norm_first

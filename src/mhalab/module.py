@@ -18,6 +18,9 @@ from torchmetrics.classification import MulticlassAccuracy, MulticlassF1Score
 from mhalab.model import SequenceClassifier
 
 
+SCHEDULES = ("cosine", "linear", "constant")  # the lr after warmup (configure_optimizers)
+
+
 class NonFiniteLossError(RuntimeError):
     """The loss became NaN or infinite; the run stops instead of training on garbage."""
 
@@ -37,8 +40,8 @@ class Classifier(L.LightningModule):
         compile: bool = False,
     ):
         super().__init__()
-        if schedule not in ("cosine", "linear", "constant"):
-            raise ValueError(f"unknown optim.schedule '{schedule}'; choose cosine, linear or constant.")
+        if schedule not in SCHEDULES:
+            raise ValueError(f"unknown optim.schedule '{schedule}'; choose one of {', '.join(SCHEDULES)}.")
         self.save_hyperparameters()
         self.model = SequenceClassifier(vocab_size=vocab_size, num_classes=num_classes, pad_id=pad_id, **model)
         if compile:
@@ -119,7 +122,11 @@ class Classifier(L.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     def on_save_checkpoint(self, checkpoint):
-        checkpoint["mhalab"] = self.extra_checkpoint
+        # the token counters travel too, so a resumed run counts every token once, over all its attempts
+        checkpoint["mhalab"] = dict(self.extra_checkpoint, token_counts=self.token_counts.tolist())
 
     def on_load_checkpoint(self, checkpoint):
-        self.extra_checkpoint = checkpoint.get("mhalab", {})
+        self.extra_checkpoint = dict(checkpoint.get("mhalab", {}))
+        counts = self.extra_checkpoint.pop("token_counts", None)
+        if counts is not None:
+            self.token_counts = torch.tensor(counts, dtype=torch.long, device=self.token_counts.device)

@@ -19,6 +19,7 @@ from collections.abc import Mapping
 
 from torch import nn
 
+from mhalab.attention import check_heads
 from mhalab.variants.kernels import LinformerAttention, PerformerAttention, WindowAttention
 from mhalab.variants.positions import (
     ALiBi,
@@ -120,8 +121,7 @@ def attention_parts(
     """
     check_attention(attention, pos, options, max_len)
     o = {**ATTENTION_OPTIONS, **options}
-    if embed_dim % num_heads:
-        raise ValueError(f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads}).")
+    check_heads(embed_dim, num_heads)
     head_dim = embed_dim // num_heads
 
     kernel: nn.Module | None = None

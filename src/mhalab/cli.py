@@ -1,0 +1,32 @@
+"""What every command does with a user's mistake: one line, `error: <message>`, and exit status 2.
+
+A `mhalab.errors.UserError` names the value and the fix; its traceback would only hide that line.
+`HYDRA_FULL_ERROR=1` (Hydra's own switch) shows the traceback anyway. Every other exception is a bug
+and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+
+from mhalab.errors import UserError
+
+USER_ERROR_EXIT = 2
+
+
+def one_line_errors(fn):
+    """Decorate a command's entry function (under @hydra.main too) so user errors print as one line."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except UserError as e:
+            if os.environ.get("HYDRA_FULL_ERROR") == "1":
+                raise
+            print(f"error: {e}", file=sys.stderr, flush=True)
+            sys.exit(USER_ERROR_EXIT)
+
+    return wrapper
