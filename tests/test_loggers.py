@@ -79,7 +79,7 @@ def test_key_is_found_in_home_netrc_for_the_server_wandb_login_host_saved(monkey
 
 def test_wandb_is_offline_without_a_key_and_resumes_the_checkpoints_run(tmp_path):
     ckpt = tmp_path / "last.ckpt"
-    torch.save({"mhalab": {"wandb_id": "abc123"}}, ckpt)
+    torch.save({"mhalab": {"wandb_id": "abc123"}, "hyper_parameters": {}}, ckpt)
     kwargs = prepare_wandb({"project": "mhalab", "group": None}, str(ckpt), multirun=False)
     assert kwargs["offline"] is True and kwargs["id"] == "abc123" and kwargs["resume"] == "allow"
     assert "id" not in prepare_wandb({"project": "mhalab"}, None, multirun=False)

@@ -174,9 +174,9 @@ def prepare_wandb(kwargs: dict, ckpt_path: str | None, multirun: bool) -> dict:
 
         kwargs["group"] = Path(HydraConfig.get().sweep.dir).name  # all members of one sweep share a group
     if ckpt_path:
-        from mhalab.config import checkpoint_meta
+        from mhalab import checkpoint
 
-        run_id = checkpoint_meta(str(ckpt_path))["mhalab"].get("wandb_id")
+        run_id = checkpoint.meta(ckpt_path)["mhalab"].get("wandb_id")
         if run_id:
             kwargs.update(id=run_id, resume="allow")  # continue the same wandb run
     return kwargs
