@@ -20,8 +20,8 @@ from torch.utils.data import DataLoader
 
 from mhalab import checkpoint
 from mhalab.cli import one_line_errors
-from mhalab.data import Collate, EncodedSplit, LengthBatchSampler, encode_texts
 from mhalab.config import instantiate
+from mhalab.data import Collate, EncodedSplit, LengthBatchSampler, encode_texts
 from mhalab.errors import ConfigError
 from mhalab.module import Classifier
 

@@ -10,8 +10,6 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-
-from mhalab.errors import CheckpointError
 from torch.utils.data import DataLoader
 
 from mhalab.attention_maps import (
@@ -24,6 +22,7 @@ from mhalab.attention_maps import (
     main,
 )
 from mhalab.data import Collate, train_tokenizer
+from mhalab.errors import CheckpointError
 from mhalab.module import Classifier
 
 REPO = Path(__file__).resolve().parents[1]

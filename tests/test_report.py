@@ -142,7 +142,7 @@ def test_results_csv_rows_and_values(reported: tuple[Path, dict]) -> None:
     by_member = df.set_index("member")
     assert by_member.loc["heads=16,seed=0", "status"] == "failed"
     assert by_member.loc["heads=16,seed=0", "error"] == "RuntimeError: CUDA out of memory"
-    assert by_member.loc["heads=16,seed=1", "status"] == "running"
+    assert by_member.loc["heads=16,seed=1", "status"] == "dead"  # says "running", but no process holds its dir
     assert by_member.loc["heads=16,seed=2", "status"] == "missing"  # from .hydra/, no metrics.json
     assert by_member.loc["heads=16,seed=2", "setting"] == "heads=16"
     assert by_member.loc["heads=16,seed=2", "seed"] == 2
@@ -194,11 +194,11 @@ def test_failed_members_listed_with_reasons(reported: tuple[Path, dict]) -> None
     assert res["n_members"] == 9
     assert res["n_finished"] == 6
     assert {f["member"]: f["status"] for f in res["failed"]} == {
-        "heads=16,seed=0": "failed", "heads=16,seed=1": "running", "heads=16,seed=2": "missing"}
+        "heads=16,seed=0": "failed", "heads=16,seed=1": "dead", "heads=16,seed=2": "missing"}
     md = res["report_md"].read_text()
     failed = md.split("## Failed members")[1].split("## Plots")[0]
     assert "| heads=16,seed=0 | heads=16 | 0 | failed | RuntimeError: CUDA out of memory |" in failed
-    assert "| heads=16,seed=1 | heads=16 | 1 | running | still running, or killed before it could record an error |" in failed
+    assert "| heads=16,seed=1 | heads=16 | 1 | dead | killed (its process is gone; re-run the sweep to resume it) |" in failed
     assert "heads=16,seed=2" in failed and "no metrics.json" in failed
     assert "heads=2,seed" not in failed
 

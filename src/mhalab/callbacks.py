@@ -56,7 +56,7 @@ class GracefulStop(L.Callback):
         self._restore()
         if isinstance(exception, SIGTERMException) and trainer.state.fn == "fit":
             path = self.dirpath / "last.ckpt"
-            trainer.save_checkpoint(path)
+            trainer.save_checkpoint(path, weights_only=False)  # the whole state: optimizer, loops, callbacks
             log.warning("interrupted at global step %d; saved %s", trainer.global_step, path)
 
 
@@ -105,12 +105,19 @@ class ResumeState(L.Callback):
         self._pending = None
 
 
-class SimulatePreemption(L.Callback):
-    """Send this process SIGTERM after global step `at_step`, as a cluster pre-emption would (debug=preempt)."""
+class SimulateSignal(L.Callback):
+    """Send this process a signal after global step `at_step` (debug=preempt): SIGTERM as a cluster's
+    pre-emption, SIGINT as a Ctrl-C, SIGKILL as the OOM killer or a lost machine (no chance to save)."""
 
-    def __init__(self, at_step: int):
-        self.at_step = at_step
+    def __init__(self, at_step: int, signal: str = "SIGTERM"):
+        self.at_step, self.signum = at_step, _signal(signal)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if trainer.global_step == self.at_step and trainer.is_global_zero:
-            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), self.signum)
+
+
+def _signal(name: str) -> int:
+    if name not in ("SIGTERM", "SIGINT", "SIGKILL"):
+        raise ValueError(f"signal={name!r}: choose SIGTERM, SIGINT or SIGKILL.")
+    return getattr(signal, name)

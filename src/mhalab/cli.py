@@ -16,6 +16,14 @@ from mhalab.errors import UserError
 USER_ERROR_EXIT = 2
 
 
+def exit_with(error: UserError) -> None:
+    """Print a user error as one line and exit 2 (or raise it, for the traceback, under HYDRA_FULL_ERROR=1)."""
+    if os.environ.get("HYDRA_FULL_ERROR") == "1":
+        raise error
+    print(f"error: {error}", file=sys.stderr, flush=True)
+    sys.exit(USER_ERROR_EXIT)
+
+
 def one_line_errors(fn):
     """Decorate a command's entry function (under @hydra.main too) so user errors print as one line."""
 
@@ -24,9 +32,6 @@ def one_line_errors(fn):
         try:
             return fn(*args, **kwargs)
         except UserError as e:
-            if os.environ.get("HYDRA_FULL_ERROR") == "1":
-                raise
-            print(f"error: {e}", file=sys.stderr, flush=True)
-            sys.exit(USER_ERROR_EXIT)
+            exit_with(e)
 
     return wrapper

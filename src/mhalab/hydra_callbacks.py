@@ -1,4 +1,5 @@
-"""Hydra callbacks. ``ReportCallback`` writes the sweep report (mhalab.report) when a multirun ends.
+"""Hydra callbacks. ``ReportCallback`` writes the sweep report (mhalab.report) when a multirun ends;
+``CheckRunDir`` refuses a run dir that cannot be written before Hydra writes its log there.
 
 Enable it in the root config (conf/train.yaml)::
 
@@ -15,6 +16,7 @@ be re-run by hand with ``python scripts/report.py <sweep dir>``.
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -64,3 +66,29 @@ class ReportCallback(Callback):
         except Exception:  # a report failure must never fail the sweep
             log.exception("sweep report for %s failed (the sweep itself is unaffected; re-run with "
                           "`python scripts/report.py <sweep dir>`)", sweep_dir if sweep_dir else "<unknown dir>")
+
+
+def _check_writable(run_dir: str) -> None:
+    from mhalab.cli import exit_with
+    from mhalab.errors import RunDirError
+
+    d = Path(run_dir)
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        probe = d / f".write-test-{os.getpid()}"
+        probe.touch()
+        probe.unlink()
+    except OSError as e:
+        exit_with(RunDirError(f"cannot write to the run dir {d} ({e.strerror}); choose a writable one with "
+                              f"hydra.run.dir=<dir> (hydra.sweep.dir=<dir> for -m)."))
+
+
+class CheckRunDir(Callback):
+    """Hydra writes its own log into the run dir before our code runs: check the dir first, so a read-only
+    one is one line (mhalab.cli), not Hydra's traceback from its logging set-up."""
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        _check_writable(str(config.hydra.run.dir))
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        _check_writable(str(config.hydra.sweep.dir))

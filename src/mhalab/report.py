@@ -60,7 +60,6 @@ dir or below it) provides the val-loss curves, and the best value when ``best`` 
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import re
@@ -71,6 +70,8 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
+
+from mhalab import record
 
 log = logging.getLogger(__name__)
 
@@ -259,15 +260,11 @@ def load_member(member_dir: Path, root: Path, metric: str = DEFAULT_METRIC) -> d
     rel = str(member_dir.relative_to(root)) if member_dir != root else "."
     row: dict[str, Any] = {c: None for c in RESULT_COLUMNS}
     row["member"] = rel
-    path = member_dir / "metrics.json"
     data: dict = {}
-    if path.is_file():
+    if record.path(member_dir).is_file():
         try:
-            with open(path) as f:
-                data = json.load(f)
-            if not isinstance(data, dict):
-                raise TypeError("top level is not an object")
-        except Exception as exc:  # noqa: BLE001
+            data = record.read(member_dir)
+        except ValueError as exc:
             data = {}
             row["status"] = "unreadable"
             row["error"] = f"cannot parse metrics.json: {exc}"
@@ -296,10 +293,7 @@ def load_member(member_dir: Path, root: Path, metric: str = DEFAULT_METRIC) -> d
     row["seed"] = seed
 
     if row["status"] is None:
-        status = data.get("status")
-        if status is None:
-            status = "finished" if data.get("final") else "unknown"
-        row["status"] = str(status)
+        row["status"] = record.status(member_dir, data)  # "running" with no live process is "dead"
         err = data.get("error")
         row["error"] = None if err is None else str(err).strip().splitlines()[0] if str(err).strip() else None
 
@@ -961,7 +955,9 @@ def render_markdown(df: pd.DataFrame, summary: pd.DataFrame, verdicts: list[Verd
             elif r["status"] == "finished":
                 reason = f"finished but no `{metric}` recorded"
             elif r["status"] == "running":
-                reason = "still running, or killed before it could record an error"
+                reason = "still running"
+            elif r["status"] == "dead":
+                reason = "killed (its process is gone; re-run the sweep to resume it)"
             else:
                 reason = "(no reason recorded)"
             seed = "–" if r["seed"] is None or (isinstance(r["seed"], float) and math.isnan(r["seed"])) else r["seed"]

@@ -62,7 +62,7 @@ class RunLock:
         self.previous: dict | None = None
         self._fd: int | None = None
 
-    def __enter__(self) -> RunLock:
+    def __enter__(self) -> RunLock:  # noqa: PYI034
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)

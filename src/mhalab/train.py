@@ -54,7 +54,7 @@ def launch_rank() -> int:
         return int(os.environ["RANK"])
     if "SLURM_PROCID" in os.environ and int(os.environ.get("SLURM_NTASKS", "1")) > 1:
         return int(os.environ["SLURM_PROCID"])
-    return int(os.environ.get("NODE_RANK", 0)) + int(os.environ.get("LOCAL_RANK", 0))
+    return int(os.environ.get("NODE_RANK", "0")) + int(os.environ.get("LOCAL_RANK", "0"))
 
 
 def run(cfg: DictConfig) -> float:
@@ -81,7 +81,9 @@ def run(cfg: DictConfig) -> float:
 
 def _run(cfg: DictConfig, out: Path) -> float:
     previous = record.read_or_set_aside(out)
-    status = record.status(out, previous) if previous else None
+    status = previous and record.status(out, previous)
+    if status == "running":
+        status = "dead"  # we hold the run dir's lock, so the process that wrote "running" is gone
     if status == "finished":
         # a sweep re-run into the same dir: this member is done; never overwrite it
         log.info("%s already finished; skipping (delete it to re-run)", out)
@@ -120,7 +122,7 @@ def _run(cfg: DictConfig, out: Path) -> float:
     except BaseException as e:  # SystemExit and KeyboardInterrupt too: the record must not say "running"
         interrupted = isinstance(e, (KeyboardInterrupt, SystemExit))
         ctrl_c = isinstance(e, KeyboardInterrupt) or stop.ctrl_c or _ctrl_c_seen(e)
-        how = "Ctrl-C" if ctrl_c else type(e).__name__
+        how = "Ctrl-C" if ctrl_c else "SIGTERM" if isinstance(e, SIGTERMException) else type(e).__name__
         reason = (f"interrupted ({how}); resume with ckpt_path={out}" if interrupted
                   else f"{type(e).__name__}: {e}".splitlines()[0])
         attempt.update(status="interrupted" if interrupted else "failed", wall_time_s=time.time() - t0)

@@ -1,0 +1,180 @@
+"""Runs survive what happens to real runs: Ctrl-C, pre-emption, the OOM killer, a second process, a read-only dir.
+
+Every case runs `python train.py` as a user would (a subprocess) on the toy data set, and compares with
+one uninterrupted run of the same command: an interrupted run, re-run with the same command, must end
+with the same numbers (to 1e-6), the same log (logs/metrics.csv, every row once) and the same count of
+trained tokens, and its record must say what happened to each attempt.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import lightning as L
+import pandas as pd
+import pytest
+import torch
+from conftest import REPO
+
+from mhalab import record, rundir
+
+COMMON = ["max_epochs=2", "seed=11", "test_after_fit=false", "dropout=0.1", "trainer.log_every_n_steps=5",
+          "callbacks.step_checkpoint.every_n_train_steps=10"]
+ENV = dict(os.environ, PYTHONHASHSEED="0", PYTHONPATH=str(Path(__file__).parent))
+
+
+class Throttle(L.Callback):
+    """Slow each training batch down, so that a signal from outside lands in the middle of training."""
+
+    def __init__(self, seconds: float = 0.05):
+        self.seconds = seconds
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        time.sleep(self.seconds)
+
+
+def _cmd(run_dir: Path, data: Path, *extra: str) -> list[str]:
+    return [sys.executable, str(REPO / "train.py"), f"hydra.run.dir={run_dir}", f"paths.data_dir={data}",
+            f"paths.cache_dir={run_dir.parent / 'cache'}", "trainer=cpu", "trainer.enable_progress_bar=false",
+            "callbacks.progress_bar=null", "dim=32", "heads=4", "layers=1", "batch_size=16", "max_len=32",
+            "data.vocab_size=200", "data.min_frequency=1", *COMMON, *extra]
+
+
+def _run(run_dir: Path, data: Path, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run(_cmd(run_dir, data, *extra), env=ENV, capture_output=True, text=True, check=False,
+                          timeout=600)
+
+
+def _log(run_dir: Path) -> pd.DataFrame:
+    return pd.read_csv(run_dir / "logs" / "metrics.csv")
+
+
+def _rec(run_dir: Path) -> dict:
+    return json.loads((run_dir / "metrics.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory, toy_data_dir) -> Path:
+    """The uninterrupted run every interrupted one is compared with."""
+    out = tmp_path_factory.mktemp("faults") / "straight"
+    proc = _run(out, toy_data_dir)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
+def _assert_same_run(a: Path, b: Path) -> None:
+    ra, rb = _rec(a), _rec(b)
+    assert rb["status"] == "finished" and ra["global_step"] == rb["global_step"] == 50
+    for key in ("val/loss", "val/acc"):
+        assert abs(ra["final"][key] - rb["final"][key]) < 1e-6, (key, ra["final"], rb["final"])
+    assert ra["train_tokens"] == rb["train_tokens"]  # every token counted once over the attempts
+    la, lb = _log(a), _log(b)
+    assert lb["step"].is_monotonic_increasing  # one continuous log, no step twice
+    for col in ("train/loss", "val/loss", "val/acc"):
+        xa, xb = la[["step", col]].dropna(), lb[["step", col]].dropna()
+        assert xa["step"].tolist() == xb["step"].tolist(), col
+        assert (xa[col].to_numpy() - xb[col].to_numpy()).__abs__().max() < 1e-6, col
+
+
+@pytest.mark.parametrize("sig, exit_code, saved_step, status, how", [
+    ("SIGTERM", 143, 17, "interrupted", "SIGTERM"),  # a cluster's pre-emption
+    ("SIGINT", 130, 17, "interrupted", "Ctrl-C"),  # Ctrl-C: stops after the batch under way
+    ("SIGKILL", -9, 10, "dead", None),  # nothing saved at the kill: the step checkpoint (every 10) is left
+])
+def test_interrupted_run_rerun_with_the_same_command_ends_equal_to_the_uninterrupted_one(
+        sig, exit_code, saved_step, status, how, straight, tmp_path, toy_data_dir):
+    out = tmp_path / "run"
+    proc = _run(out, toy_data_dir, "debug=preempt", "callbacks.preempt.at_step=17", f"callbacks.preempt.signal={sig}")
+    assert proc.returncode == exit_code, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert record.status(out, _rec(out)) == status  # a killed run says "running"; nothing runs it: dead
+    if how:
+        assert how in _rec(out)["error"] and f"resume with ckpt_path={out}" in _rec(out)["error"]
+    assert torch.load(out / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == saved_step
+
+    proc = _run(out, toy_data_dir)  # the same command again, as a requeued job or a user does
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"was {status}; resuming from" in proc.stdout + proc.stderr
+    _assert_same_run(straight, out)
+    attempts = _rec(out)["attempts"]
+    assert [a["status"] for a in attempts] == [status, "finished"]
+    assert [a["from_step"] for a in attempts] == [0, saved_step]
+
+
+def test_ctrl_c_from_outside_at_any_moment_resumes_exactly(straight, tmp_path, toy_data_dir):
+    """A real Ctrl-C lands wherever the run is, usually inside a batch: it still stops at a batch boundary."""
+    out = tmp_path / "run"
+    proc = subprocess.Popen(_cmd(out, toy_data_dir, "+callbacks.throttle._target_=test_faults.Throttle"), env=ENV,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and not ((out / "logs" / "metrics.csv").exists() and len(_log(out)) >= 3):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    stdout, err = proc.communicate(timeout=300)
+    assert proc.returncode == 130, err[-3000:]
+    step = torch.load(out / "checkpoints" / "last.ckpt", weights_only=True)["global_step"]
+    assert 10 <= step < 50 and "Ctrl-C: stopping after this batch" in stdout + err and "Traceback" not in err
+    proc2 = _run(out, toy_data_dir)
+    assert proc2.returncode == 0, proc2.stderr[-3000:]
+    _assert_same_run(straight, out)
+
+
+def test_second_process_into_a_live_run_dir_is_refused_and_the_first_run_is_untouched(
+        straight, tmp_path, toy_data_dir):
+    out = tmp_path / "run"
+    first = subprocess.Popen(_cmd(out, toy_data_dir, "+callbacks.throttle._target_=test_faults.Throttle"), env=ENV,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and not rundir.is_live(out):
+        time.sleep(0.05)
+    assert record.status(out, _rec(out)) == "running"  # what a report of a live run says
+    second = _run(out, toy_data_dir)
+    assert second.returncode == 2
+    lines = [ln for ln in second.stderr.splitlines() if ln.strip()]
+    assert lines[-1].startswith(f"error: {out} is in use by pid {first.pid} on ") and "Traceback" not in second.stderr
+    _, err = first.communicate(timeout=300)
+    assert first.returncode == 0, err[-3000:]
+    _assert_same_run(straight, out)  # the live run finished as if alone: its log and record intact
+    assert len(_rec(out)["attempts"]) == 1
+
+
+def test_two_runs_started_at_once_into_one_dir_one_runs_the_other_is_refused(tmp_path, toy_data_dir):
+    out = tmp_path / "run"
+    procs = [subprocess.Popen(_cmd(out, toy_data_dir), env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for _ in range(2)]
+    results = [(p.wait(timeout=300), p.stderr.read()) for p in procs]
+    codes = sorted(code for code, _ in results)
+    assert codes == [0, 2], [err[-2000:] for _, err in results]
+    refused = next(err for code, err in results if code == 2)
+    assert " is in use by pid " in refused.strip().splitlines()[-1]
+    log = _log(out)
+    assert not log.dropna(subset=["train/loss"])["step"].duplicated().any()  # no row written twice
+    assert _rec(out)["status"] == "finished" and len(_rec(out)["attempts"]) == 1
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run the command as another user (CI runs as root)")
+def test_a_run_dir_that_cannot_be_written_is_one_line(toy_data_dir):
+    # as an unprivileged user (root writes anywhere) into a dir it may read but not write
+    base = Path(tempfile.mkdtemp(prefix="mhalab-ro-"))
+    ro, home = base / "readonly", base / "home"
+    ro.mkdir(mode=0o555)
+    home.mkdir(mode=0o777)
+    base.chmod(0o755)
+    cmd = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", *_cmd(ro / "run", toy_data_dir)]
+    try:
+        proc = subprocess.run(cmd, env=dict(ENV, HOME=str(home), MPLCONFIGDIR=str(home)), capture_output=True,
+                              text=True, check=False, timeout=300)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"error: cannot write to the run dir {ro / 'run'} (Permission denied); choose a writable one with "
+        f"hydra.run.dir=<dir> (hydra.sweep.dir=<dir> for -m).")
