@@ -1,0 +1,274 @@
+"""Every user mistake, through the real command line: one line `error: <message>` on stderr, exit status 2,
+no traceback, and (train.py) before any expensive work: no tokenizer trained.
+
+The table below is the user-facing text of each message; `{tmp}` stands for this module's temporary dir
+and `{run}` for a real run dir trained once here (tiny, ~10 s). Every command is a subprocess (~4-5 s of
+imports each); they run two at a time in a pool started by the `outcomes` fixture, and each test case
+waits for its own result, so a failure names its case.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import gzip
+import json
+import os
+import subprocess
+import sys
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import NamedTuple
+
+import pytest
+import torch
+from conftest import REPO, write_toy_sst2
+
+
+class Case(NamedTuple):
+    id: str
+    script: str  # train.py, scripts/eval.py, scripts/attention_map.py
+    args: list[str]  # after the base args for train.py; {tmp} and {run} are filled in
+    message: str  # the expected last stderr line, after "error: "
+    data: str | None = None  # train.py: paths.data_dir under {tmp} (None: the toy SST-2 dir)
+    run_dir: str | None = None  # train.py: hydra.run.dir under {tmp} (None: {tmp}/<id>/run)
+
+
+MISSING = "{tmp}/no-such.ckpt"
+CASES = [
+    # ---------------------------------------------------------------- config values
+    Case("heads-not-an-int", "train.py", ["heads=four"], "heads='four' must be an integer."),
+    Case("heads-do-not-divide-dim", "train.py", ["dim=100", "heads=16"],
+         "heads=16 does not divide dim=100 (dim per head would be 6.25); choose heads in "
+         "[1, 2, 4, 5, 10, 20, 25, 50] or a dim that is a multiple of 16."),
+    Case("max-epochs-0", "train.py", ["max_epochs=0"],
+         "max_epochs=0 trains nothing; set max_epochs >= 1 (debug=fast runs one batch of each split)."),
+    Case("max-epochs-negative", "train.py", ["max_epochs=-1"],
+         "max_epochs=-1 would train forever and the lr schedule needs a length; set max_epochs >= 1, "
+         "or trainer.max_steps=N."),
+    Case("unknown-pooling", "train.py", ["model.pooling=max"],
+         "unknown model.pooling 'max'; choose one of mean, cls."),
+    Case("unknown-schedule", "train.py", ["optim.schedule=step"],
+         "unknown optim.schedule 'step'; choose one of cosine, linear, constant."),
+    Case("unknown-activation", "train.py", ["model.activation=swish"],
+         "unknown model.activation 'swish'; choose one of relu, gelu."),
+    Case("window-covers-max-len", "train.py", ["model.attention=window"],  # default window 128 > max_len 32
+         "model.attention=window with model.attention_options.window=128 (64 keys on each side, plus 1 "
+         "global token) covers every position of max_len=32: it would be full attention; set "
+         "model.attention_options.window below 60 (e.g. 16) or use model.attention=full."),
+    Case("unknown-attention-option", "train.py", ["+model.attention_options.foo=1"],
+         "unknown option model.attention_options.foo; the options are model.attention_options.window, "
+         "model.attention_options.global_tokens, model.attention_options.linformer_k, "
+         "model.attention_options.performer_features."),
+    Case("unknown-attention", "train.py", ["model.attention=sparse"],
+         "unknown model.attention 'sparse'; choose one of full, window, linformer, performer"),
+    Case("unknown-pos", "train.py", ["model.pos=relative"],
+         "unknown model.pos 'relative'; choose one of sinusoidal, learned, rope, alibi, t5"),
+    Case("official-with-rope", "train.py", ["model=official", "model.pos=rope"],
+         "model=official supports attention=full with pos=sinusoidal|learned only (got attention=full, "
+         "pos=rope); use model=custom for the variants."),
+    Case("lr-0", "train.py", ["lr=0"], "lr=0.0 must be > 0."),
+    Case("dropout-1", "train.py", ["dropout=1.0"], "model.dropout=1.0 must be in [0, 1)."),
+    Case("max-len-0", "train.py", ["max_len=0"], "max_len=0 must be >= 1 (tokens kept per text)."),
+    Case("batch-size-0", "train.py", ["batch_size=0"], "batch_size=0 must be >= 1."),
+    Case("dev-split-2", "train.py", ["data.dev_split=2"],
+         "data config 'sst2': dev_split=2 must be a fraction in (0, 1), e.g. 0.1, or null."),
+    # ---------------------------------------------------------------- checkpoints
+    Case("ckpt-missing", "train.py", [f"ckpt_path={MISSING}"],
+         f"ckpt_path={MISSING} does not exist (looked for {MISSING}); pass a .ckpt file or a run dir."),
+    Case("ckpt-text-file", "train.py", ["ckpt_path={tmp}/notes.txt"],
+         "ckpt_path={tmp}/notes.txt is not a PyTorch checkpoint (not a zip archive, or cut short); pass a "
+         ".ckpt from a run's checkpoints/ dir, or the run dir."),
+    Case("ckpt-truncated", "train.py", ["ckpt_path={run}/truncated.ckpt"],
+         "ckpt_path={run}/truncated.ckpt is not a PyTorch checkpoint (not a zip archive, or cut short); pass "
+         "a .ckpt from a run's checkpoints/ dir, or the run dir."),
+    Case("ckpt-runs-code", "train.py", ["ckpt_path={tmp}/code.ckpt"],  # and the code did not run: see below
+         "ckpt_path={tmp}/code.ckpt holds objects a safe load refuses (Weights only load failed); it was not "
+         "written by mhalab's train.py."),
+    Case("ckpt-other-classes", "train.py", ["ckpt_path={run}", "data.num_classes=3"],
+         "ckpt_path={run}/checkpoints/last.ckpt holds a 2-class model (data sst2), but data=sst2 has 3 "
+         "classes; resume with the data set it was trained on."),
+    Case("ckpt-other-shape", "train.py", ["ckpt_path={run}", "heads=2"],
+         "ckpt_path={run}/checkpoints/last.ckpt holds a model with heads=4, but the config has heads=2; "
+         "resume with the same model settings (e.g. heads=4)."),
+    # ---------------------------------------------------------------- data files
+    Case("data-latin-1", "train.py", [], data="latin1",
+         message="'{tmp}/latin1/sst2/train.tsv': line 402 is not valid utf-8 (byte 0xe8 at column 11); set "
+                 "data.encoding=latin-1 (or the file's encoding), or re-save the file as UTF-8."),
+    Case("data-comma-separated", "train.py", [], data="comma",
+         message="'{tmp}/comma/sst2/train.tsv': the header 'sentence,label' has one column with "
+                 "data.delimiter='\\t'; it looks comma-separated: set data.delimiter=',' and data.quoting=0 "
+                 "(csv.QUOTE_MINIMAL)."),
+    Case("data-dir-missing", "train.py", [], data="no-such-dir",
+         message="data directory '{tmp}/no-such-dir' does not exist: put the 'sst2' files (sst2/train.tsv, "
+                 "sst2/dev.tsv, sst2/test.tsv) there, or point the config at them with "
+                 "data.data_dir=/path/to/data or the MHALAB_DATA_DIR environment variable."),
+    Case("data-truncated-gzip", "train.py", ["data.format=json", "data.files.train=x.jsonl.gz",
+                                             "data.files.validation=dev.jsonl", "data.files.test=test.jsonl"],
+         data="gz",
+         message="'{tmp}/gz/x.jsonl.gz' is not a complete gzip file (truncated or corrupt: Compressed file "
+                 "ended before the end-of-stream marker was reached); re-download or re-compress it."),
+    # ---------------------------------------------------------------- run dir
+    Case("run-dir-in-use", "train.py", [], run_dir="held",
+         message="{tmp}/held is in use by pid 1234 on h (since t); wait for it to finish, or write this run "
+                 "elsewhere (hydra.run.dir=<dir>)."),
+    # ---------------------------------------------------------------- scripts
+    Case("eval-no-ckpt-path", "scripts/eval.py", [],
+         "ckpt_path is required; usage: python scripts/eval.py ckpt_path=PATH [split=test|validation|train] "
+         "[data_dir=DIR] [batch_size=N] [out=FILE]"),
+    Case("eval-ckpt-missing", "scripts/eval.py", [f"ckpt_path={MISSING}"],
+         f"ckpt_path={MISSING} does not exist (looked for {MISSING}); pass a .ckpt file or a run dir."),
+    Case("eval-unknown-split", "scripts/eval.py", ["ckpt_path={run}", "split=nosuch"],
+         "split=nosuch is not a split of this data set; choose one of train, validation, test."),
+    Case("attention-map-ckpt-missing", "scripts/attention_map.py", [f"ckpt_path={MISSING}", "text=hi"],
+         f"ckpt_path={MISSING} does not exist (looked for {MISSING}); pass a .ckpt file or a run dir."),
+]
+
+SMALL = ["trainer=cpu", "trainer.enable_progress_bar=false", "callbacks.progress_bar=null", "dim=32",
+         "heads=4", "layers=1", "batch_size=16", "max_len=32", "data.vocab_size=200", "data.min_frequency=1"]
+CODE_RAN = "code-ran"  # the file the pickled payload in code.ckpt creates when it is unpickled unsafely
+
+
+def _base(run_dir: Path, data_dir: Path, cache_dir: Path) -> list[str]:
+    return [f"hydra.run.dir={run_dir}", f"paths.data_dir={data_dir}", f"paths.cache_dir={cache_dir}", *SMALL]
+
+
+def _fill(s: str, tmp: Path) -> str:
+    return s.replace("{run}", str(tmp / "trained")).replace("{tmp}", str(tmp))
+
+
+def _env(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("HYDRA_FULL_ERROR", "MHALAB_DATA_DIR")}
+    return {**env, "OMP_NUM_THREADS": "1", **extra}
+
+
+def _run(argv: list[str], **env) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *argv], cwd=REPO, capture_output=True, text=True, check=False,
+                          env=_env(**env), timeout=300)
+
+
+class _RunsCode:
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):  # what an unsafe torch.load would call
+        return os.system, (f"touch '{self.marker}'",)
+
+
+def _write_inputs(tmp: Path, toy: Path) -> None:
+    """The bad files (the truncated checkpoint comes after training)."""
+    (tmp / "notes.txt").write_text("these are my notes, not a checkpoint\n")
+    torch.save({"state_dict": {}, "payload": _RunsCode(tmp / CODE_RAN)}, tmp / "code.ckpt")
+    # the payload is real: an unsafe load runs it (and the test's own marker is removed again)
+    torch.load(tmp / "code.ckpt", weights_only=False)
+    assert (tmp / CODE_RAN).exists(), "the code.ckpt payload does not run; the case would prove nothing"
+    (tmp / CODE_RAN).unlink()
+
+    train = write_toy_sst2(tmp / "latin1") / "sst2" / "train.tsv"  # line 402: a latin-1 row
+    train.write_bytes(train.read_bytes() + "un film tr\xe8s beau\t1\n".encode("latin-1"))
+    train = write_toy_sst2(tmp / "comma") / "sst2" / "train.tsv"
+    train.write_text(train.read_text().replace("\t", ","))
+
+    gz = tmp / "gz"
+    gz.mkdir()
+    for split, src in (("x.jsonl.gz", "train"), ("dev.jsonl", "dev"), ("test.jsonl", "test")):
+        rows = [line.split("\t") for line in (toy / "sst2" / f"{src}.tsv").read_text().splitlines()[1:]]
+        text = "".join(json.dumps({"sentence": s, "label": int(y)}) + "\n" for s, y in rows)
+        if split.endswith(".gz"):
+            data = gzip.compress(text.encode())
+            (gz / split).write_bytes(data[: len(data) // 2])
+        else:
+            (gz / split).write_text(text)
+
+
+def _train(tmp: Path, toy: Path) -> Path:
+    """One tiny real run (the checkpoint cases' run dir), and a truncated copy of its last.ckpt."""
+    run = tmp / "trained"
+    p = _run(["train.py", *_base(run, toy, tmp / "trained-cache"), "max_epochs=1", "num_threads=1",
+             "test_after_fit=false"])
+    assert p.returncode == 0, f"the tiny training run failed:\n{p.stderr[-3000:]}"
+    ckpt = (run / "checkpoints" / "last.ckpt").read_bytes()
+    (run / "truncated.ckpt").write_bytes(ckpt[: len(ckpt) // 2])
+    return run
+
+
+def _case(case: Case, tmp: Path, toy: Path, trained: Future) -> subprocess.CompletedProcess:
+    args = [_fill(a, tmp) for a in case.args]
+    if any("{run}" in a for a in case.args):
+        trained.result()
+    if case.script == "train.py":
+        data = tmp / case.data if case.data else toy
+        run_dir = tmp / case.run_dir if case.run_dir else tmp / case.id / "run"
+        args = _base(run_dir, data, tmp / case.id / "cache") + args
+    return _run([case.script, *args])
+
+
+def _metrics_aside(tmp: Path, toy: Path, trained: Future) -> subprocess.CompletedProcess:
+    trained.result()  # its cache: the tokenizer and the encoded splits are there already
+    run = tmp / "broken-record"
+    run.mkdir()
+    (run / "metrics.json").write_bytes(b'{"status": "finished", "final": {"test/ac')
+    return _run(["train.py", *_base(run, toy, tmp / "trained-cache"), "max_epochs=1", "num_threads=1",
+                 "trainer.limit_train_batches=2", "test_after_fit=false"])
+
+
+@pytest.fixture(scope="module")
+def tmp(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("cli_errors")
+
+
+@pytest.fixture(scope="module")
+def outcomes(tmp, toy_data_dir):
+    """Start every command, two at a time: the training run first (the {run} cases wait for it)."""
+    _write_inputs(tmp, toy_data_dir)
+    held = tmp / "held"  # a run dir held by a live process (this one)
+    held.mkdir()
+    fd = os.open(held / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    os.write(fd, json.dumps({"pid": 1234, "host": "h", "started": "t"}).encode())
+
+    pool = ThreadPoolExecutor(2)
+    trained = pool.submit(_train, tmp, toy_data_dir)
+    ordered = sorted(CASES, key=lambda c: any("{run}" in a for a in c.args))  # the others meanwhile
+    futures = {c.id: pool.submit(_case, c, tmp, toy_data_dir, trained) for c in ordered}
+    futures["hydra-full-error"] = pool.submit(
+        _run, ["train.py", *_base(tmp / "full-error" / "run", toy_data_dir, tmp / "full-error" / "cache"),
+               "heads=four"], HYDRA_FULL_ERROR="1")
+    futures["metrics-aside"] = pool.submit(_metrics_aside, tmp, toy_data_dir, trained)
+    yield futures
+    pool.shutdown(wait=True, cancel_futures=True)
+    os.close(fd)
+
+
+def _show(p: subprocess.CompletedProcess) -> str:
+    command = " ".join(map(str, p.args[1:]))
+    return f"\n$ {command}\n--- exit {p.returncode}; stderr (tail) ---\n{p.stderr[-3000:]}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_user_error_is_one_line_and_exit_2(case, outcomes, tmp):
+    p = outcomes[case.id].result()
+    assert "Traceback" not in p.stdout + p.stderr, _show(p)
+    assert p.returncode == 2, _show(p)
+    lines = [line for line in p.stderr.splitlines() if line.strip()]
+    assert lines and lines[-1] == "error: " + _fill(case.message, tmp), _show(p)
+    assert sum(line.startswith("error:") for line in lines) == 1, _show(p)
+    if case.script == "train.py":  # it failed before the expensive work
+        trained = list((tmp / case.id / "cache").glob("**/tokenizer-*.json"))
+        assert not trained, f"a tokenizer was trained before the error: {trained}" + _show(p)
+    assert not (tmp / CODE_RAN).exists(), "a checkpoint's pickled code ran" + _show(p)
+
+
+def test_hydra_full_error_shows_the_traceback(outcomes):
+    p = outcomes["hydra-full-error"].result()
+    assert p.returncode != 0, _show(p)
+    assert "Traceback" in p.stderr and "ConfigError: heads='four' must be an integer." in p.stderr, _show(p)
+
+
+def test_unreadable_metrics_json_is_kept_aside_and_the_run_goes_on(outcomes, tmp):
+    p = outcomes["metrics-aside"].result()
+    assert p.returncode == 0 and "Traceback" not in p.stdout + p.stderr, _show(p)
+    run = tmp / "broken-record"
+    aside = list(run.glob("metrics.json.unreadable-*"))
+    assert len(aside) == 1, f"{sorted(x.name for x in run.iterdir())}" + _show(p)
+    assert aside[0].read_bytes() == b'{"status": "finished", "final": {"test/ac'
+    assert json.loads((run / "metrics.json").read_text())["status"] == "finished"
