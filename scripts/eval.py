@@ -51,10 +51,11 @@ def evaluate(ckpt_path: str, split: str = "test", data_dir: str | None = None, b
     if data_dir:
         data_cfg["data_dir"] = data_dir
     dm = instantiate(data_cfg)
+    known = [s for s in ("train", "validation", "test") if s in dm.files or (s == "validation" and dm.dev_split)]
+    if split not in known:  # before any file is read
+        raise ConfigError(f"split={split} is not a split of this data set; choose one of {', '.join(known)}.")
     dm.validate()
     splits = dm._read_splits()  # checked rows, with the same seeded dev hold-out as in training
-    if split not in splits:
-        raise ConfigError(f"split={split} is not a split of this data set; choose one of {', '.join(splits)}.")
     texts, labels = splits[split]
     encoded = EncodedSplit.from_lists(encode_texts(tokenizer_json, texts, dm.max_len), labels)
     loader = DataLoader(encoded, batch_sampler=LengthBatchSampler(encoded.lengths, batch_size or dm.eval_batch_size,

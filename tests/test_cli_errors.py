@@ -2,9 +2,11 @@
 no traceback, and (train.py) before any expensive work: no tokenizer trained.
 
 The table below is the user-facing text of each message; `{tmp}` stands for this module's temporary dir
-and `{run}` for a real run dir trained once here (tiny, ~10 s). Every command is a subprocess (~4-5 s of
-imports each); they run two at a time in a pool started by the `outcomes` fixture, and each test case
-waits for its own result, so a failure names its case.
+and `{run}` for a real run dir trained once here (tiny, ~10 s). A fresh interpreter costs ~4-5 s of
+imports, so the cases run their scripts as `__main__` in one Python process per batch (tests/cli_driver.py:
+argv, exit status, stdout and stderr as a shell sees them); a few also run one per process
+(ONE_PER_PROCESS), which proves the same line and status come out of a real `python train.py`. The
+batches run two at a time in a pool started by the `outcomes` fixture; each case waits for its own result.
 """
 
 from __future__ import annotations
@@ -60,21 +62,23 @@ CASES = [
          "model.attention_options.global_tokens, model.attention_options.linformer_k, "
          "model.attention_options.performer_features."),
     Case("unknown-attention", "train.py", ["model.attention=sparse"],
-         "unknown model.attention 'sparse'; choose one of full, window, linformer, performer"),
+         "unknown model.attention 'sparse'; choose one of full, window, linformer, performer."),
     Case("unknown-pos", "train.py", ["model.pos=relative"],
-         "unknown model.pos 'relative'; choose one of sinusoidal, learned, rope, alibi, t5"),
+         "unknown model.pos 'relative'; choose one of sinusoidal, learned, rope, alibi, t5."),
     Case("official-with-rope", "train.py", ["model=official", "model.pos=rope"],
          "model=official supports attention=full with pos=sinusoidal|learned only (got attention=full, "
          "pos=rope); use model=custom for the variants."),
-    Case("lr-0", "train.py", ["lr=0"], "lr=0.0 must be > 0."),
-    Case("dropout-1", "train.py", ["dropout=1.0"], "model.dropout=1.0 must be in [0, 1)."),
-    Case("max-len-0", "train.py", ["max_len=0"], "max_len=0 must be >= 1 (tokens kept per text)."),
+    Case("lr-0", "train.py", ["lr=0"], "lr=0 must be > 0, e.g. 1e-3."),
+    Case("dropout-1", "train.py", ["dropout=1.0"], "dropout=1.0 must be in [0, 1), e.g. 0.1."),
+    Case("max-len-2", "train.py", ["max_len=2"],
+         "data config 'sst2': max_len=2 is too small: it must be >= 3 ([CLS], [SEP] and one token); raise max_len."),
     Case("batch-size-0", "train.py", ["batch_size=0"], "batch_size=0 must be >= 1."),
     Case("dev-split-2", "train.py", ["data.dev_split=2"],
-         "data config 'sst2': dev_split=2 must be a fraction in (0, 1), e.g. 0.1, or null."),
+         "data config 'sst2': dev_split=2 must be a fraction in (0, 1), e.g. 0.1, or null (this data set has a "
+         "validation file: null uses it)."),
     # ---------------------------------------------------------------- checkpoints
     Case("ckpt-missing", "train.py", [f"ckpt_path={MISSING}"],
-         f"ckpt_path={MISSING} does not exist (looked for {MISSING}); pass a .ckpt file or a run dir."),
+         f"ckpt_path={MISSING} does not exist; pass a .ckpt file or a run dir."),
     Case("ckpt-text-file", "train.py", ["ckpt_path={tmp}/notes.txt"],
          "ckpt_path={tmp}/notes.txt is not a PyTorch checkpoint (not a zip archive, or cut short); pass a "
          ".ckpt from a run's checkpoints/ dir, or the run dir."),
@@ -82,11 +86,11 @@ CASES = [
          "ckpt_path={run}/truncated.ckpt is not a PyTorch checkpoint (not a zip archive, or cut short); pass "
          "a .ckpt from a run's checkpoints/ dir, or the run dir."),
     Case("ckpt-runs-code", "train.py", ["ckpt_path={tmp}/code.ckpt"],  # and the code did not run: see below
-         "ckpt_path={tmp}/code.ckpt holds objects a safe load refuses (Weights only load failed); it was not "
-         "written by mhalab's train.py."),
+         "ckpt_path={tmp}/code.ckpt holds objects a safe load refuses (code: posix.system); it was not written "
+         "by mhalab's train.py, and is not loaded: pass a checkpoint from a run's checkpoints/ dir."),
     Case("ckpt-other-classes", "train.py", ["ckpt_path={run}", "data.num_classes=3"],
-         "ckpt_path={run}/checkpoints/last.ckpt holds a 2-class model (data sst2), but data=sst2 has 3 "
-         "classes; resume with the data set it was trained on."),
+         "ckpt_path={run}/checkpoints/last.ckpt holds a 2-class model (trained on sst2), but the config has 3 "
+         "classes (data=sst2); resume on sst2 with data.num_classes=2."),
     Case("ckpt-other-shape", "train.py", ["ckpt_path={run}", "heads=2"],
          "ckpt_path={run}/checkpoints/last.ckpt holds a model with heads=4, but the config has heads=2; "
          "resume with the same model settings (e.g. heads=4)."),
@@ -116,11 +120,11 @@ CASES = [
          "ckpt_path is required; usage: python scripts/eval.py ckpt_path=PATH [split=test|validation|train] "
          "[data_dir=DIR] [batch_size=N] [out=FILE]"),
     Case("eval-ckpt-missing", "scripts/eval.py", [f"ckpt_path={MISSING}"],
-         f"ckpt_path={MISSING} does not exist (looked for {MISSING}); pass a .ckpt file or a run dir."),
+         f"ckpt_path={MISSING} does not exist; pass a .ckpt file or a run dir."),
     Case("eval-unknown-split", "scripts/eval.py", ["ckpt_path={run}", "split=nosuch"],
          "split=nosuch is not a split of this data set; choose one of train, validation, test."),
     Case("attention-map-ckpt-missing", "scripts/attention_map.py", [f"ckpt_path={MISSING}", "text=hi"],
-         f"ckpt_path={MISSING} does not exist (looked for {MISSING}); pass a .ckpt file or a run dir."),
+         f"ckpt_path={MISSING} does not exist; pass a .ckpt file or a run dir."),
 ]
 
 SMALL = ["trainer=cpu", "trainer.enable_progress_bar=false", "callbacks.progress_bar=null", "dim=32",
@@ -191,15 +195,29 @@ def _train(tmp: Path, toy: Path) -> Path:
     return run
 
 
-def _case(case: Case, tmp: Path, toy: Path, trained: Future) -> subprocess.CompletedProcess:
+ONE_PER_PROCESS = ("heads-not-an-int", "data-latin-1", "eval-no-ckpt-path")
+
+
+def _argv(case: Case, tmp: Path, toy: Path) -> list[str]:
     args = [_fill(a, tmp) for a in case.args]
-    if any("{run}" in a for a in case.args):
-        trained.result()
     if case.script == "train.py":
         data = tmp / case.data if case.data else toy
         run_dir = tmp / case.run_dir if case.run_dir else tmp / case.id / "run"
         args = _base(run_dir, data, tmp / case.id / "cache") + args
-    return _run([case.script, *args])
+    return [case.script, *args]
+
+
+def _batch(cases: list[Case], tmp: Path, toy: Path, trained: Future | None) -> dict:
+    """Run the cases in one process (tests/cli_driver.py); {case id: CompletedProcess}."""
+    if trained is not None:
+        trained.result()
+    name = "with-run" if trained else "without-run"
+    commands, results = tmp / f"{name}.json", tmp / f"{name}.results.json"
+    commands.write_text(json.dumps([_argv(c, tmp, toy) for c in cases]))
+    p = _run([str(Path(__file__).with_name("cli_driver.py")), str(commands), str(results)])
+    assert p.returncode == 0, f"the driver failed:\n{p.stderr[-3000:]}"
+    return {c.id: subprocess.CompletedProcess(r["args"], r["returncode"], r["stdout"], r["stderr"])
+            for c, r in zip(cases, json.loads(results.read_text()))}
 
 
 def _metrics_aside(tmp: Path, toy: Path, trained: Future) -> subprocess.CompletedProcess:
@@ -228,8 +246,15 @@ def outcomes(tmp, toy_data_dir):
 
     pool = ThreadPoolExecutor(2)
     trained = pool.submit(_train, tmp, toy_data_dir)
-    ordered = sorted(CASES, key=lambda c: any("{run}" in a for a in c.args))  # the others meanwhile
-    futures = {c.id: pool.submit(_case, c, tmp, toy_data_dir, trained) for c in ordered}
+    needs_run = [c for c in CASES if any("{run}" in a for a in c.args)]
+    without = pool.submit(_batch, [c for c in CASES if c not in needs_run], tmp, toy_data_dir, None)
+    with_run = pool.submit(_batch, needs_run, tmp, toy_data_dir, trained)
+    futures = {c.id: pool.submit(lambda c=c: (with_run if c in needs_run else without).result()[c.id])
+               for c in CASES}
+    for c in CASES:  # the same cases, each in its own interpreter: what a shell really sees
+        if c.id in ONE_PER_PROCESS:
+            own = c._replace(id=f"{c.id}-own-process")
+            futures[own.id] = pool.submit(_run, _argv(own, tmp, toy_data_dir))
     futures["hydra-full-error"] = pool.submit(
         _run, ["train.py", *_base(tmp / "full-error" / "run", toy_data_dir, tmp / "full-error" / "cache"),
                "heads=four"], HYDRA_FULL_ERROR="1")
@@ -244,7 +269,8 @@ def _show(p: subprocess.CompletedProcess) -> str:
     return f"\n$ {command}\n--- exit {p.returncode}; stderr (tail) ---\n{p.stderr[-3000:]}"
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+@pytest.mark.parametrize("case", [*CASES, *(c._replace(id=f"{c.id}-own-process") for c in CASES
+                                             if c.id in ONE_PER_PROCESS)], ids=lambda c: c.id)
 def test_user_error_is_one_line_and_exit_2(case, outcomes, tmp):
     p = outcomes[case.id].result()
     assert "Traceback" not in p.stdout + p.stderr, _show(p)

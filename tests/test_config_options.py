@@ -11,11 +11,10 @@ Data: the data group and the sweep / experiment presets run on the real files in
 set they pick: SST-2 for the presets, ListOps or byte-level IMDB for sweep=lra*), composed as a user types
 them (no size overrides: compose_train's dim/max_len/batch_size shortcuts would replace the option's own);
 the other groups run on the toy SST-2 through compose_train. hydra/<group> options only compose (launching
-is tests/test_train.py's and the sweep tests' job). One cache dir for the session: each real data set is
-tokenized once.
+is tests/test_train.py's and the sweep tests' job). The checkout's .cache holds the tokenizers and ids, as for
+`make train`: each real data set is tokenized once, for this file, tests/test_readme.py and the user's runs.
 Cost caps (what the option configures stays, see CAPS and _rows): ListOps generates fewer trees of the same
-lengths, byte-level IMDB keeps a stratified subset (its own data.max_examples), data=imdb does not encode its
-test split (the train batch, the tokenizer and max_len are a user's), and big models / long batches train on
+lengths, byte-level IMDB keeps a stratified subset (its own data.max_examples), and big models / long batches train on
 a few rows of the batch, its longest row included, so the width stays the batch's.
 """
 
@@ -29,7 +28,7 @@ import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import CONF, SHARED_DATA, compose_train
+from conftest import CONF, REPO, SHARED_DATA, compose_train
 from hydra import compose, initialize_config_dir
 from hydra.types import RunMode
 from lightning.pytorch.callbacks import Callback, ProgressBar
@@ -55,9 +54,6 @@ CAPS = {
     "listops": {"num_train": 1200, "num_validation": 250, "num_test": 450},
     # byte-level IMDB: a stratified subset (the option's own data.max_examples) unless the option sets one
     "imdb_bytes": {"max_examples": {"train": 256, "validation": 64, "test": 64}},
-    # the wordpiece tokenizer (trained on train) and the train split are a user's; the 25k test reviews,
-    # which no training batch reads, are not encoded (about 20 s)
-    "imdb": {"files.test": None},
 }
 ONE_THREAD = True  # conftest.one_thread: on a busy 2-core machine one intra-op thread is faster
 # The rows of a batch one case trains on (see _rows): about 1 s of CPU per case. Attention's (L, L) products run
@@ -187,8 +183,10 @@ def _trainer_kwargs(cfg) -> dict:
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("cache")
+def cache() -> Path:
+    # the checkout's own cache, as `make train` uses it: data=imdb's tokenizer and ids (~50 s to build) are
+    # built once for this file, tests/test_readme.py's `python train.py data=imdb` and the user's own runs
+    return REPO / ".cache"
 
 
 @pytest.fixture

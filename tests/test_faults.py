@@ -24,7 +24,7 @@ import pytest
 import torch
 from conftest import REPO
 
-from mhalab import record, rundir
+from mhalab import checkpoint, record, rundir
 
 COMMON = ["max_epochs=2", "seed=11", "test_after_fit=false", "dropout=0.1", "trainer.log_every_n_steps=5",
           "callbacks.step_checkpoint.every_n_train_steps=10"]
@@ -104,6 +104,9 @@ def test_interrupted_run_rerun_with_the_same_command_ends_equal_to_the_uninterru
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"was {status}; resuming from" in proc.stdout + proc.stderr
     _assert_same_run(straight, out)
+    # one last.ckpt, the newest (no last-v1.ckpt): a run dir resolves to the end of the run
+    assert not [p.name for p in (out / "checkpoints").iterdir() if "-v" in p.name]
+    assert checkpoint.meta(checkpoint.resolve(out))["global_step"] == 50
     attempts = _rec(out)["attempts"]
     assert [a["status"] for a in attempts] == [status, "finished"]
     assert [a["from_step"] for a in attempts] == [0, saved_step]

@@ -55,13 +55,13 @@ def test_ff_dim_defaults_to_four_times_dim(tmp_path):
 
 @pytest.mark.parametrize("overrides,match", [
     (["dim=100", "heads=16"], r"heads=16 does not divide dim=100"),
-    (["max_len=0"], r"max_len=0 must be >= 1"),
+    (["max_len=0"], r"max_len=0 is too small: it must be >= 3"),
     (["batch_size=0"], r"batch_size=0 must be >= 1"),
     (["model.attention=sparse"], r"unknown model.attention 'sparse'; choose one of full, window"),
     (["model.pos=relative"], r"unknown model.pos 'relative'; choose one of sinusoidal"),
     (["model=official", "model.pos=rope"], r"model=official supports attention=full"),
     (["lr=0"], r"lr=0(\.0)? must be > 0"),
-    (["dropout=1.0"], r"model.dropout=1.0 must be in \[0, 1\)"),
+    (["dropout=1.0"], r"dropout=1.0 must be in \[0, 1\)"),
     (["model.embed_dropout=-0.1"], r"model.embed_dropout=-0.1 must be in \[0, 1\)"),
     (["ckpt_path=/nonexistent/last.ckpt"], r"ckpt_path=/nonexistent/last.ckpt does not exist"),
 ])

@@ -347,10 +347,10 @@ def test_factory_names_and_errors():
     kw = {"embed_dim": 16, "num_heads": 4, "max_len": 20, "dropout": 0.0}
     with pytest.raises(ValueError) as e:
         attention_parts("foo", "rope", **kw)
-    assert str(e.value) == "unknown model.attention 'foo'; choose one of full, window, linformer, performer"
+    assert str(e.value) == "unknown model.attention 'foo'; choose one of full, window, linformer, performer."
     with pytest.raises(ValueError) as e:
         attention_parts("full", "bar", **kw)
-    assert str(e.value) == "unknown model.pos 'bar'; choose one of sinusoidal, learned, rope, alibi, t5"
+    assert str(e.value) == "unknown model.pos 'bar'; choose one of sinusoidal, learned, rope, alibi, t5."
     for att in ("linformer", "performer"):
         for pos in ("alibi", "t5"):
             with pytest.raises(ValueError, match="never forms the score matrix"):

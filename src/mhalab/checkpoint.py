@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import pickle
+import re
 import zipfile
 from pathlib import Path
 
@@ -44,7 +45,8 @@ def resolve(ckpt_path: str | Path, outputs: Path | None = None) -> Path:
     if p.is_dir():
         p = last_checkpoint(p)
     if not p.is_file():
-        raise CheckpointError(f"ckpt_path={ckpt_path} does not exist (looked for {p}); pass a .ckpt file or a run dir.")
+        looked = f" (looked for {p})" if str(p) != str(ckpt_path) else ""
+        raise CheckpointError(f"ckpt_path={ckpt_path} does not exist{looked}; pass a .ckpt file or a run dir.")
     return p
 
 
@@ -60,8 +62,11 @@ def load(path: str | Path) -> dict:
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:  # weights_only refused a type: not one of ours
-        raise CheckpointError(f"ckpt_path={path} holds objects a safe load refuses ({_first_sentence(e)}); "
-                              f"it was not written by mhalab's train.py.") from e
+        found = re.search(r"GLOBAL ([\w.]+)", str(e))
+        what = f"code: {found.group(1)}" if found else _first_sentence(e)
+        raise CheckpointError(f"ckpt_path={path} holds objects a safe load refuses ({what}); it was not written "
+                              f"by mhalab's train.py, and is not loaded: pass a checkpoint from a run's "
+                              f"{CHECKPOINT_DIR}/ dir.") from e
     except (RuntimeError, EOFError, zipfile.BadZipFile, OSError, KeyError, ValueError) as e:
         raise CheckpointError(f"ckpt_path={path} is not a readable checkpoint (truncated or corrupt: "
                               f"{_first_sentence(e)}); pass another .ckpt or a run dir.") from e
@@ -95,9 +100,10 @@ def check_fits(path: str | Path, model: dict, data: dict) -> None:
     classes = data.get("num_classes") or (len(data["label_names"]) if data.get("label_names") else None)
     saved_classes = m["hyper_parameters"].get("num_classes")
     if classes is not None and saved_classes is not None and int(classes) != int(saved_classes):
+        trained_on = m["mhalab"].get("data", {}).get("name")
         raise CheckpointError(
-            f"ckpt_path={path} holds a {saved_classes}-class model (data {m['mhalab'].get('data', {}).get('name')}), "
-            f"but data={data.get('name')} has {classes} classes; resume with the data set it was trained on."
+            f"ckpt_path={path} holds a {saved_classes}-class model (trained on {trained_on}), but the config has "
+            f"{classes} classes (data={data.get('name')}); resume on {trained_on} with data.num_classes={saved_classes}."
         )
     saved_data = m["mhalab"].get("data", {})
     for key in DATA_KEYS:

@@ -55,7 +55,7 @@ register_resolvers()
 def _int(cfg: DictConfig, key: str, minimum: int | None = None, what: str = "") -> int:
     """cfg[key] as an int, or a ConfigError naming the key (a root shortcut by its short name)."""
     value = OmegaConf.select(cfg, key)
-    name = key.split(".")[-1] if key.split(".")[-1] in _SHORTCUTS else key
+    name = _name(key)
     if isinstance(value, bool) or not isinstance(value, (int, str)) or not str(value).lstrip("-").isdigit():
         raise ConfigError(f"{name}={value!r} must be an integer{what}.")
     value = int(value)
@@ -71,8 +71,13 @@ def _float(cfg: DictConfig, key: str) -> float | None:
     try:
         return float(value)
     except (TypeError, ValueError):
-        name = key.split(".")[-1] if key.split(".")[-1] in _SHORTCUTS else key
-        raise ConfigError(f"{name}={value!r} must be a number.") from None
+        raise ConfigError(f"{_name(key)}={value!r} must be a number.") from None
+
+
+def _name(key: str) -> str:
+    """How a message names a key: a root shortcut by its short name (dropout, not model.dropout)."""
+    leaf = key.split(".")[-1]
+    return leaf if leaf in _SHORTCUTS and key.split(".")[0] in ("model", "data", "optim", "trainer") else key
 
 
 def _choice(value, choices, key: str) -> None:
@@ -99,8 +104,8 @@ def validate(cfg: DictConfig) -> None:
     _ok(check_heads, dim, heads, ("dim", "heads"))
     _int(cfg, "model.layers", 1)
     _int(cfg, "model.ff_dim", 1)
-    max_len = _int(cfg, "data.max_len", 1, " (tokens kept per text)")
-    model_max_len = _int(cfg, "model.max_len", 1)
+    max_len = _int(cfg, "data.max_len")  # its minimum is the datamodule's rule ([CLS], [SEP], one token)
+    model_max_len = _int(cfg, "model.max_len")
     if model_max_len < max_len:
         raise ConfigError(f"model.max_len={model_max_len} is below data.max_len={max_len}: the position encoding "
                           f"would end before the longest batch; set both with max_len=N.")
@@ -108,7 +113,7 @@ def validate(cfg: DictConfig) -> None:
     for key in ("model.dropout", "model.embed_dropout"):
         p = _float(cfg, key)
         if p is not None and not 0.0 <= p < 1.0:
-            raise ConfigError(f"{key}={p} must be in [0, 1).")
+            raise ConfigError(f"{_name(key)}={OmegaConf.select(cfg, key)} must be in [0, 1), e.g. 0.1.")
     _choice(m.encoder, ENCODERS, "model.encoder")
     _choice(m.activation, tuple(ACTIVATIONS), "model.activation")
     _choice(m.pooling, POOLINGS, "model.pooling")
@@ -120,7 +125,7 @@ def validate(cfg: DictConfig) -> None:
 
     lr = _float(cfg, "optim.lr")
     if lr is None or lr <= 0:
-        raise ConfigError(f"lr={lr} must be > 0.")
+        raise ConfigError(f"lr={OmegaConf.select(cfg, 'optim.lr')} must be > 0, e.g. 1e-3.")
     _choice(cfg.optim.schedule, SCHEDULES, "optim.schedule")
     warmup = _float(cfg, "optim.warmup_ratio")
     if warmup is None or not 0.0 <= warmup < 1.0:

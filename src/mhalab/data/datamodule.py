@@ -178,7 +178,8 @@ class TextClassificationDataModule(L.LightningDataModule):
         if label_names is not None and num_classes is not None and len(label_names) != num_classes:
             bad(f"num_classes={num_classes} but label_names has {len(label_names)} names {list(label_names)}.")
         if self.dev_split is not None and not 0.0 < self.dev_split < 1.0:
-            bad(f"dev_split={self.dev_split} must be a fraction in (0, 1), e.g. 0.1, or null.")
+            bad(f"dev_split={self.dev_split} must be a fraction in (0, 1), e.g. 0.1, or null"
+                + (" (this data set has a validation file: null uses it)." if "validation" in self.files else "."))
         if self.dev_split and "validation" in self.files:
             bad(f"dev_split={self.dev_split} but files already has a validation split: set one or the other.")
         if not self.dev_split and "validation" not in self.files:

@@ -48,9 +48,9 @@ __all__ = [
 def check_combination(attention: str, pos: str) -> None:
     """Raise ValueError for an unknown name or a pair that cannot work; cheap, builds nothing."""
     if attention not in ATTENTIONS:
-        raise ValueError(f"unknown model.attention '{attention}'; choose one of {', '.join(ATTENTIONS)}")
+        raise ValueError(f"unknown model.attention '{attention}'; choose one of {', '.join(ATTENTIONS)}.")
     if pos not in POSITIONS:
-        raise ValueError(f"unknown model.pos '{pos}'; choose one of {', '.join(POSITIONS)}")
+        raise ValueError(f"unknown model.pos '{pos}'; choose one of {', '.join(POSITIONS)}.")
     if attention in LINEAR_ATTENTIONS and pos in BIAS_POSITIONS:
         raise ValueError(
             f"model.attention={attention} cannot use model.pos={pos}: {pos} adds a bias to every "

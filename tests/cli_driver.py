@@ -1,0 +1,40 @@
+"""Run several command lines of the project's scripts in ONE Python process, as `python <script> <args>` would.
+
+tests/test_cli_errors.py has ~30 mistakes to check, and every fresh interpreter pays ~4 s of imports
+(torch, Lightning) before the config is even read. This runs each command's script with runpy as
+`__main__`, with its argv, and reports per command what a shell would see: the exit status, stdout and
+stderr (an exception that escapes the script is printed as Python would print it: a Traceback).
+Usage: python tests/cli_driver.py <commands.json> <results.json>, commands = [[script, arg, ...], ...].
+"""
+
+import contextlib
+import io
+import json
+import runpy
+import sys
+import traceback
+
+
+def run_one(argv: list[str]) -> dict:
+    out, err, code = io.StringIO(), io.StringIO(), 0
+    sys.argv = list(argv)
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            runpy.run_path(argv[0], run_name="__main__")
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+            if not isinstance(e.code, int) and e.code is not None:
+                print(e.code, file=sys.stderr)
+        except BaseException:  # noqa: BLE001 (what the interpreter prints for an uncaught exception)
+            traceback.print_exc()
+            code = 1
+    return {"args": argv, "returncode": code, "stdout": out.getvalue(), "stderr": err.getvalue()}
+
+
+if __name__ == "__main__":
+    commands_path, results_path = sys.argv[1:3]  # run_one() replaces sys.argv
+    with open(commands_path) as f:
+        commands = json.load(f)
+    results = [run_one(c) for c in commands]
+    with open(results_path, "w") as f:
+        json.dump(results, f)

@@ -1,0 +1,142 @@
+"""Every command of README.md runs, as written, with tiny limits appended, on the real data in ../shared/data.
+
+The commands are read from the README's ```bash blocks (a README line that fails fails CI), in order,
+inside a copy of the checkout so that nothing they write lands in it. What is appended, and why:
+- training runs (`python train.py`, `make train`): 2 batches of train / val / test, 1 epoch, no bar;
+- sweeps (`-m`, `sweep=`, `hparams_search=`): also `seed=0` (one seed per setting) and 2 Optuna trials;
+- GPU-sized lines (`experiment=article`, `*_gpu`): the CPU, float32, batches of 4 x 32 tokens and one
+  layer of the article's width (dim 512, 8 heads, ff 2048): each checkpoint of six would be 230 MB;
+- `make bench`: one short sequence length, one repetition.
+`<run>` and `<sweep>` stand for the run and the sweep the first such commands made. Two lines need
+what CI does not have (GPUs, a SLURM cluster): they are composed (`--cfg job`), not run. `make test` is
+the command that runs this suite: CI runs it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import REPO
+
+from mhalab import record
+
+README = REPO / "README.md"
+VENV = Path(sys.executable).parent.parent
+TINY = ["++trainer.limit_train_batches=2", "++trainer.limit_val_batches=2", "++trainer.limit_test_batches=2",
+        "max_epochs=1", "trainer.enable_progress_bar=false"]
+SWEEP = ["seed=0"]
+ON_CPU = ["trainer.accelerator=cpu", "trainer.precision=32-true", "trainer.devices=1", "batch_size=4",
+          "max_len=32", "layers=1"]
+BENCH = "--seq-lens 64 --reps 1 --warmup 0 --no-memory"
+COMPOSE_ONLY = {"trainer=ddp": "needs GPUs", "hydra/launcher=slurm": "needs a SLURM cluster"}
+NOT_RUN = {("make", "test"): "this suite itself: CI runs it"}
+
+
+def readme_commands() -> list[list[str]]:
+    cmds, block = [], None
+    for line in README.read_text().splitlines():
+        if line.startswith("```"):
+            block = line[3:].strip() if block is None else None
+            continue
+        if block == "bash" and line.strip():
+            words = shlex.split(line, comments=True)
+            if words and words[0] in ("python", "make") and tuple(words[:2]) not in NOT_RUN:
+                cmds.append(words)
+    return cmds
+
+
+COMMANDS = readme_commands()
+
+
+def _id(words: list[str]) -> str:
+    return re.sub(r"[^\w=.,/<>+-]+", "_", " ".join(words))[:80]
+
+
+def test_readme_has_the_commands_this_test_expects():
+    # the placeholders below are filled from earlier lines: the README must keep that order
+    text = [" ".join(w) for w in COMMANDS]
+    first_run = next(i for i, t in enumerate(text) if t.startswith("python train.py") and " -m" not in t)
+    assert all(i > first_run for i, t in enumerate(text) if "<run>" in t)
+    first_sweep = next(i for i, t in enumerate(text) if " -m " in t or "sweep=" in t)
+    assert all(i > first_sweep for i, t in enumerate(text) if "<sweep>" in t)
+    assert len(COMMANDS) >= 25, text
+
+
+@pytest.fixture(scope="module")
+def checkout(tmp_path_factory) -> dict:
+    """A copy of the checkout's files (outputs go there), and what earlier commands made."""
+    root = tmp_path_factory.mktemp("readme") / "mhalab"
+    shutil.copytree(REPO, root, ignore=shutil.ignore_patterns(".venv", ".git", ".cache", "outputs", "multirun",
+                                                               "*.egg-info", "__pycache__", ".*_cache", "wandb"))
+    return {"root": root, "run": None, "sweep": None}
+
+
+def _expand(words: list[str], state: dict) -> tuple[list[str], str]:
+    """The command to run, and what to check afterwards ("run", "sweep", "compose", "plain")."""
+    line, original = " ".join(words), words
+    words = [w.replace("outputs/<run>", str(state["run"])).replace("multirun/<sweep>", str(state["sweep"]))
+             for w in words]
+    if words[0] == "make":
+        make = ["make", "-o", str(VENV / ".installed"), f"VENV={VENV}", *words[1:]]
+        if words[1] == "train":
+            return [*make, f"ARGS={' '.join(TINY)}"], "plain"
+        if words[1] == "bench":
+            args = next((w.split("=", 1)[1] for w in words if w.startswith("ARGS=")), "")
+            return [*[w for w in make if not w.startswith("ARGS=")], f"ARGS={args} {BENCH}"], "plain"
+        return make, "plain"
+    cmd = [sys.executable, *words[1:]]
+    if words[1] != "train.py":
+        return cmd, "plain"
+    if any(key in line for key in COMPOSE_ONLY):
+        return [*cmd, "--cfg", "job"], "compose"
+    sweep = " -m" in f" {line} " or "sweep=" in line or "hparams_search=" in line
+    extra = TINY + (SWEEP if sweep else []) + (["hydra.sweeper.n_trials=2"] if "hparams_search=" in line else [])
+    if "experiment=article" in line or "_gpu" in line:
+        extra += ON_CPU
+    if sweep and "hydra.sweep.dir=" not in line:
+        extra.append(f"hydra.sweep.dir=multirun/readme-{len(state.get('sweeps', []))}")
+    if not sweep and "hydra.run.dir=" not in line:
+        extra.append(f"hydra.run.dir=outputs/readme-{COMMANDS.index(original)}")
+    return cmd + extra, "sweep" if sweep else "run"
+
+
+@pytest.mark.parametrize("words", COMMANDS, ids=[_id(w) for w in COMMANDS])
+def test_readme_command_runs_as_written(words, checkout):
+    cmd, kind = _expand(words, checkout)
+    env = dict(os.environ, MHALAB_CACHE_DIR=str(REPO / ".cache"), WANDB_MODE="offline", PYTHONHASHSEED="0")
+    proc = subprocess.run(cmd, cwd=checkout["root"], env=env, capture_output=True, text=True, timeout=900,
+                          check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"{' '.join(words)}\n{out[-4000:]}"
+    assert "Traceback" not in out, out[-4000:]
+    root = checkout["root"]
+    if kind == "run":
+        run_dir = root / next(w.split("=", 1)[1] for w in cmd if w.startswith("hydra.run.dir="))
+        rec = record.read(run_dir)
+        assert rec and rec["status"] == "finished", rec
+        if checkout["run"] is None:
+            checkout["run"] = run_dir
+    elif kind == "sweep":
+        sweep_dir = root / next(w.split("=", 1)[1] for w in cmd if w.startswith("hydra.sweep.dir="))
+        checkout.setdefault("sweeps", []).append(sweep_dir)
+        members = [record.read(p.parent) for p in sweep_dir.rglob(record.FILE)]
+        assert members and all(m["status"] == "finished" for m in members), [m["error"] for m in members]
+        if (sweep_dir / "report.md").exists():
+            assert f"{len(members)} members, {len(members)} finished" in (sweep_dir / "report.md").read_text()
+        if checkout["sweep"] is None:
+            checkout["sweep"] = sweep_dir
+    elif kind == "compose":
+        assert "model:" in proc.stdout and "trainer:" in proc.stdout
+    if words[1:2] == ["scripts/eval.py"]:
+        assert "test/acc" in proc.stdout
+    if words[1:2] == ["compare"]:
+        assert "PASS" in proc.stdout
+    if words[1:2] == ["scripts/report.py"]:
+        assert "members" in (checkout["sweep"] / "report.md").read_text()
