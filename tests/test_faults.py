@@ -97,7 +97,8 @@ def test_interrupted_run_rerun_with_the_same_command_ends_equal_to_the_uninterru
     assert "Traceback" not in proc.stderr
     assert record.status(out, _rec(out)) == status  # a killed run says "running"; nothing runs it: dead
     if how:
-        assert how in _rec(out)["error"] and f"resume with ckpt_path={out}" in _rec(out)["error"]
+        assert _rec(out)["error"] == (f"interrupted ({how}); to continue it in place, run the same command with "
+                                      f"hydra.run.dir={out}")
     assert torch.load(out / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == saved_step
 
     proc = _run(out, toy_data_dir)  # the same command again, as a requeued job or a user does

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import mmap
 from pathlib import Path
 
 import lightning as L
@@ -111,9 +112,11 @@ def test_sweep_presets_compose(tmp_path):
 
 def test_peak_memory_window_resets():
     reset_peak_memory()
-    big = np.ones(200 * 2**20 // 8)  # 200 MB
+    # 200 MB of fresh pages (an anonymous map): a malloc'd array may reuse pages earlier tests left resident
+    big = mmap.mmap(-1, 200 * 2**20)
+    big.write(b"\1" * len(big))
     high, kind = peak_memory_mb()
-    del big
+    big.close()
     if kind != "cpu_peak_rss":
         pytest.skip("no /proc/self/status peak on this system")
     assert reset_peak_memory()

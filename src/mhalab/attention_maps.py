@@ -256,10 +256,9 @@ def load_checkpoint(ckpt_path: str | Path, device: str = "cpu"):
     The model comes from `Classifier.load_from_checkpoint`, the tokenizer from the checkpoint itself
     (see `checkpoint_tokenizer`); the label names end up in `module.extra_checkpoint["label_names"]`.
     """
+    from mhalab import checkpoint
     from mhalab.data.tokenizer import load_tokenizer
     from mhalab.module import Classifier
-
-    from mhalab import checkpoint
 
     path = checkpoint.resolve(ckpt_path)  # the one resolver: a .ckpt, a run dir, or `last`
     tokenizer, names = checkpoint_tokenizer(checkpoint.load(path))  # weights_only: it cannot run code

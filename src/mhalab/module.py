@@ -17,7 +17,6 @@ from torchmetrics.classification import MulticlassAccuracy, MulticlassF1Score
 
 from mhalab.model import SequenceClassifier
 
-
 SCHEDULES = ("cosine", "linear", "constant")  # the lr after warmup (configure_optimizers)
 
 

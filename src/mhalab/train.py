@@ -30,7 +30,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from mhalab import checkpoint, record
 from mhalab.callbacks import GracefulStop, ResumeState
 from mhalab.config import instantiate, validate
-from mhalab.errors import ConfigError, RunDirError, UserError
+from mhalab.errors import RunDirError, UserError
 from mhalab.lra import peak_memory_mb, reset_peak_memory
 from mhalab.module import Classifier
 from mhalab.rundir import RunLock
@@ -98,7 +98,7 @@ def _run(cfg: DictConfig, out: Path) -> float:
             cfg.ckpt_path = str(last)
     try:
         validate(cfg)  # cheap, before anything is written: a mistake costs nothing and loses nothing
-    except ConfigError as e:
+    except UserError as e:
         if not _is_multirun():
             raise
         _write_failed(out, previous, attempts, cfg, e)  # the sweep goes on; its report names the reason
@@ -123,8 +123,8 @@ def _run(cfg: DictConfig, out: Path) -> float:
         interrupted = isinstance(e, (KeyboardInterrupt, SystemExit))
         ctrl_c = isinstance(e, KeyboardInterrupt) or stop.ctrl_c or _ctrl_c_seen(e)
         how = "Ctrl-C" if ctrl_c else "SIGTERM" if isinstance(e, SIGTERMException) else type(e).__name__
-        reason = (f"interrupted ({how}); resume with ckpt_path={out}" if interrupted
-                  else f"{type(e).__name__}: {e}".splitlines()[0])
+        reason = (f"interrupted ({how}); to continue it in place, run the same command with hydra.run.dir={out}"
+                  if interrupted else f"{type(e).__name__}: {e}".splitlines()[0])
         attempt.update(status="interrupted" if interrupted else "failed", wall_time_s=time.time() - t0)
         rec.update(status="interrupted" if interrupted else "failed", error=reason, **_totals(attempts))
         record.write(out, rec)
