@@ -84,15 +84,20 @@ def _assert_same_run(a: Path, b: Path) -> None:
         assert (xa[col].to_numpy() - xb[col].to_numpy()).__abs__().max() < 1e-6, col
 
 
-@pytest.mark.parametrize("sig, exit_code, saved_step, status, how", [
-    ("SIGTERM", 143, 17, "interrupted", "SIGTERM"),  # a cluster's pre-emption
-    ("SIGINT", 130, 17, "interrupted", "Ctrl-C"),  # Ctrl-C: stops after the batch under way
-    ("SIGKILL", -9, 10, "dead", None),  # nothing saved at the kill: the step checkpoint (every 10) is left
-])
+@pytest.mark.parametrize("sig, at, in_validation, exit_code, saved_step, status, how", [
+    ("SIGTERM", 17, False, 143, 17, "interrupted", "SIGTERM"),  # a cluster's pre-emption
+    ("SIGINT", 17, False, 130, 17, "interrupted", "Ctrl-C"),  # Ctrl-C: stops after the batch under way
+    ("SIGKILL", 17, False, -9, 10, "dead", None),  # nothing saved at the kill: the step checkpoint (every 10)
+    # the last batch of epoch 0: a Ctrl-C waits for the validation that follows, then stops
+    ("SIGINT", 25, False, 130, 25, "interrupted", "Ctrl-C"),
+    # a pre-emption inside that validation saves nothing: the run redoes steps 20-25 from the step checkpoint
+    ("SIGTERM", 25, True, 143, 20, "interrupted", "SIGTERM"),
+], ids=["SIGTERM", "SIGINT", "SIGKILL", "SIGINT-last-batch", "SIGTERM-in-validation"])
 def test_interrupted_run_rerun_with_the_same_command_ends_equal_to_the_uninterrupted_one(
-        sig, exit_code, saved_step, status, how, straight, tmp_path, toy_data_dir):
+        sig, at, in_validation, exit_code, saved_step, status, how, straight, tmp_path, toy_data_dir):
     out = tmp_path / "run"
-    proc = _run(out, toy_data_dir, "debug=preempt", "callbacks.preempt.at_step=17", f"callbacks.preempt.signal={sig}")
+    proc = _run(out, toy_data_dir, "debug=preempt", f"callbacks.preempt.at_step={at}",
+                f"callbacks.preempt.signal={sig}", f"callbacks.preempt.in_validation={in_validation}")
     assert proc.returncode == exit_code, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
     assert record.status(out, _rec(out)) == status  # a killed run says "running"; nothing runs it: dead
@@ -136,8 +141,8 @@ def test_second_process_into_a_live_run_dir_is_refused_and_the_first_run_is_unto
     out = tmp_path / "run"
     first = subprocess.Popen(_cmd(out, toy_data_dir, "+callbacks.throttle._target_=test_faults.Throttle"), env=ENV,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 120
-    while time.time() < deadline and not rundir.is_live(out):
+    deadline = time.time() + 120  # the lock is taken first, the record written a moment later
+    while time.time() < deadline and not (rundir.is_live(out) and record.path(out).exists()):
         time.sleep(0.05)
     assert record.status(out, _rec(out)) == "running"  # what a report of a live run says
     second = _run(out, toy_data_dir)

@@ -18,18 +18,22 @@ log = logging.getLogger("mhalab")
 
 
 class GracefulStop(L.Callback):
-    """Ctrl-C and SIGTERM stop training at a batch boundary and save `last.ckpt` there: a resume is exact.
+    """Ctrl-C and SIGTERM stop training between batches and save `last.ckpt` there: a resume is exact.
 
-    Lightning turns SIGTERM (a cluster's pre-emption) into SIGTERMException once the batch under way
-    has finished and been logged. A Ctrl-C would raise KeyboardInterrupt wherever it lands, mid-batch,
-    and a checkpoint saved then sits between two states (a resumed run ended 1-2 points off). So while
-    training, the first Ctrl-C is handed to that same SIGTERM path; a second one stops at once without
-    saving, and a resume then starts from the last checkpoint on disk (the step or epoch checkpoint).
+    Lightning turns SIGTERM (a cluster's pre-emption) into SIGTERMException once the batch under way has
+    finished and been logged. A Ctrl-C would raise KeyboardInterrupt wherever it lands, mid-batch, and a
+    checkpoint saved then sits between two states (a resumed run ended 1-2 points off). So while training,
+    a Ctrl-C only sets a flag, and the stop is handed to that same SIGTERM path at the next batch's end,
+    or, when a validation follows that batch, at the validation's end: Lightning resumes a run stopped
+    inside a validation without finishing it (that epoch's val metrics and best checkpoint would be
+    missing), so a SIGTERM that lands inside one saves nothing and the run resumes, exactly, from the
+    last checkpoint on disk (every epoch and every N steps). A second Ctrl-C stops at once, unsaved.
     """
 
     def __init__(self, dirpath: str | Path):
         self.dirpath = Path(dirpath)
         self.ctrl_c = False  # the stop came from the keyboard (the run's record says so)
+        self._sent = False
         self._previous_handler = None
 
     def _on_sigint(self, signum, frame) -> None:
@@ -37,12 +41,25 @@ class GracefulStop(L.Callback):
             self._restore()
             raise KeyboardInterrupt
         self.ctrl_c = True
-        log.warning("Ctrl-C: stopping after this batch and saving last.ckpt (press Ctrl-C again to stop at once)")
-        os.kill(os.getpid(), signal.SIGTERM)  # Lightning's own graceful stop (its SIGTERM handler)
+        log.warning("Ctrl-C: stopping after this batch (or the validation under way) and saving last.ckpt; "
+                    "press Ctrl-C again to stop at once")
+
+    def _stop(self) -> None:
+        if self.ctrl_c and not self._sent:
+            self._sent = True
+            os.kill(os.getpid(), signal.SIGTERM)  # Lightning's own graceful stop (its SIGTERM handler)
 
     def on_train_start(self, trainer, pl_module):
         if threading.current_thread() is threading.main_thread():  # signals reach the main thread only
             self._previous_handler = signal.signal(signal.SIGINT, self._on_sigint)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if not _validation_follows(trainer, batch_idx):
+            self._stop()
+
+    def on_validation_end(self, trainer, pl_module):
+        if trainer.state.fn == "fit":
+            self._stop()
 
     def on_train_end(self, trainer, pl_module):
         self._restore()
@@ -54,10 +71,27 @@ class GracefulStop(L.Callback):
 
     def on_exception(self, trainer, pl_module, exception):
         self._restore()
-        if isinstance(exception, SIGTERMException) and trainer.state.fn == "fit":
-            path = self.dirpath / "last.ckpt"
-            trainer.save_checkpoint(path, weights_only=False)  # the whole state: optimizer, loops, callbacks
-            log.warning("interrupted at global step %d; saved %s", trainer.global_step, path)
+        if not isinstance(exception, SIGTERMException) or trainer.state.fn != "fit":
+            return
+        if trainer.validating:
+            log.warning("SIGTERM inside a validation: nothing saved here; the run resumes from the last "
+                        "checkpoint on disk and redoes the steps since, exactly")
+            return
+        path = self.dirpath / "last.ckpt"
+        trainer.save_checkpoint(path, weights_only=False)  # the whole state: optimizer, loops, callbacks
+        log.warning("interrupted at global step %d; saved %s", trainer.global_step, path)
+
+
+def _validation_follows(trainer: L.Trainer, batch_idx: int) -> bool:
+    """Whether Lightning runs a validation right after this training batch (its val_check rules)."""
+    if not trainer.enable_validation or trainer.limit_val_batches == 0:
+        return False
+    every = trainer.check_val_every_n_epoch
+    if every is not None and (trainer.current_epoch + 1) % every:
+        return False
+    last = batch_idx + 1 >= trainer.num_training_batches
+    interval = trainer.val_check_batch
+    return last or (isinstance(interval, int) and interval > 0 and (batch_idx + 1) % interval == 0)
 
 
 def _numpy_state_to_safe(state: tuple) -> list:
@@ -107,13 +141,19 @@ class ResumeState(L.Callback):
 
 class SimulateSignal(L.Callback):
     """Send this process a signal after global step `at_step` (debug=preempt): SIGTERM as a cluster's
-    pre-emption, SIGINT as a Ctrl-C, SIGKILL as the OOM killer or a lost machine (no chance to save)."""
+    pre-emption, SIGINT as a Ctrl-C, SIGKILL as the OOM killer or a lost machine (no chance to save).
+    `in_validation`: send it inside the validation that follows that step (after its first batch)."""
 
-    def __init__(self, at_step: int, signal: str = "SIGTERM"):
-        self.at_step, self.signum = at_step, _signal(signal)
+    def __init__(self, at_step: int, signal: str = "SIGTERM", in_validation: bool = False):
+        self.at_step, self.signum, self.in_validation = at_step, _signal(signal), in_validation
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if trainer.global_step == self.at_step and trainer.is_global_zero:
+        if not self.in_validation and trainer.global_step == self.at_step and trainer.is_global_zero:
+            os.kill(os.getpid(), self.signum)
+
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
+        if (self.in_validation and trainer.state.fn == "fit" and trainer.global_step == self.at_step
+                and batch_idx == 0 and trainer.is_global_zero):
             os.kill(os.getpid(), self.signum)
 
 

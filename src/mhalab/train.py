@@ -244,6 +244,9 @@ def _fit_and_test(cfg: DictConfig, out: Path, rec: dict, stop: GracefulStop, ckp
 
 def _loggers(cfg: DictConfig, ckpt_path: str | None) -> list:
     lcfg = OmegaConf.to_container(cfg.get("logger") or {}, resolve=True)
+    for c in lcfg.values():  # the CSV log keeps the rows before the step this attempt resumes from
+        if c and c.get("_target_", "").endswith("ContinuedCSVLogger"):
+            c["resume_step"] = checkpoint.meta(ckpt_path)["global_step"] if ckpt_path else 0
     if "wandb" in lcfg:
         from mhalab.loggers import prepare_wandb
 

@@ -353,9 +353,14 @@ class TextClassificationDataModule(L.LightningDataModule):
         return LengthBatchSampler(self._split(split).lengths, self.eval_batch_size, shuffle=False, shard=False)
 
     def _loader(self, split: str, sampler: LengthBatchSampler) -> DataLoader:
+        # Each new iterator draws its workers' base seed from `generator`; without one it would take a draw
+        # from torch's global RNG, which dropout uses too. A run resumed at an epoch's end restores that RNG
+        # after its first iterator exists, so the uninterrupted run's draw for epoch 1's iterator would be
+        # missing, and every later dropout mask shifted (val/loss off by ~2e-5; tests/test_faults.py).
         return DataLoader(
             self._split(split), batch_sampler=sampler, collate_fn=Collate(PAD_ID, self.max_len if self.fixed_len else None),
             num_workers=self.num_workers, pin_memory=self.pin_memory, persistent_workers=self.num_workers > 0,
+            generator=torch.Generator().manual_seed(self.seed),
         )
 
     def train_dataloader(self) -> DataLoader:
