@@ -204,3 +204,18 @@ def test_real_data_configs_validate_against_shared_data(data, splits_from_files,
     assert set(dm.files) == splits_from_files and dm.dev_split == dev_split
     assert all(f.startswith(f"{data.split('_')[0]}/") for f in dm.files.values()), dm.files
     dm.validate()  # files exist, columns present (reads headers only)
+
+
+def test_train_tokens_count_every_epoch_when_the_best_checkpoint_is_an_earlier_one(tmp_path, toy_data_dir):
+    # "best" = the lowest epoch: testing it loads the epoch-0 checkpoint, whose own token counts must not
+    # replace the run's (they did: 2 epochs reported as 1)
+    cfg = compose_train(["max_epochs=2", "seed=3", "callbacks.model_checkpoint.monitor=epoch",
+                         "callbacks.model_checkpoint.mode=min"], tmp_path / "out", toy_data_dir, tmp_path / "cache")
+    run(cfg)
+    rec = json.loads((tmp_path / "out" / "metrics.json").read_text())
+    dm = instantiate(cfg.data)
+    dm.prepare_data()
+    dm.setup("fit")
+    per_epoch = int(sum(dm.splits["train"].lengths))
+    assert rec["best"]["checkpoint"].split("/")[-1].startswith("epoch00")  # the earlier checkpoint was tested
+    assert rec["train_tokens"] == 2 * per_epoch

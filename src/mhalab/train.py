@@ -215,6 +215,9 @@ def _fit_and_test(cfg: DictConfig, out: Path, rec: dict, stop: GracefulStop, ckp
             rec["attempts"][-1]["global_step"] = trainer.global_step
     fit_s = time.time() - t_fit
     peak_mb, peak_kind = peak_memory_mb(trainer.strategy.root_device)
+    # counted on device over every attempt (the counters travel in the checkpoint); read before the best
+    # checkpoint is loaded for validate/test below, which would put its own counts back
+    real, pads = (int(x) for x in module.token_counts.cpu() * trainer.world_size)
 
     final = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
     ckpt_cb = trainer.checkpoint_callback
@@ -228,8 +231,6 @@ def _fit_and_test(cfg: DictConfig, out: Path, rec: dict, stop: GracefulStop, ckp
         test_res = trainer.test(module, datamodule=dm, ckpt_path=best_path, verbose=False, weights_only=True)[0]
         final.update({k: float(v) for k, v in test_res.items()})
         best["checkpoint"] = best_path
-    # counted on device over every attempt (the counters travel in the checkpoint)
-    real, pads = (int(x) for x in module.token_counts.cpu() * trainer.world_size)
     fit_total = sum(a.get("fit_time_s", 0.0) for a in rec.get("attempts", [])) or fit_s
     rec.update(
         params=params, epochs=trainer.current_epoch, global_step=trainer.global_step, best=best, final=final,
