@@ -97,7 +97,7 @@ def validate(cfg: DictConfig) -> None:
     from mhalab.encoder import ACTIVATIONS
     from mhalab.model import ENCODERS, POOLINGS
     from mhalab.module import SCHEDULES
-    from mhalab.variants import check_attention
+    from mhalab.variants import ABSOLUTE_POSITIONS, check_attention
 
     m = cfg.model
     dim, heads = _int(cfg, "model.dim", 1), _int(cfg, "model.heads", 1)
@@ -117,7 +117,7 @@ def validate(cfg: DictConfig) -> None:
     _choice(m.encoder, ENCODERS, "model.encoder")
     _choice(m.activation, tuple(ACTIVATIONS), "model.activation")
     _choice(m.pooling, POOLINGS, "model.pooling")
-    if m.encoder == "official" and (m.attention != "full" or m.pos not in ("sinusoidal", "learned")):
+    if m.encoder == "official" and (m.attention != "full" or m.pos not in ABSOLUTE_POSITIONS):
         raise ConfigError(f"model=official supports attention=full with pos=sinusoidal|learned only (got "
                           f"attention={m.attention}, pos={m.pos}); use model=custom for the variants.")
     options = OmegaConf.to_container(m.get("attention_options") or {}, resolve=True)
