@@ -55,6 +55,30 @@ def readme_commands() -> list[list[str]]:
 COMMANDS = readme_commands()
 
 
+def readme_examples() -> list[tuple[str, str]]:
+    """(command, the line it prints) for each `$ python ...` line of the README's plain ``` blocks."""
+    lines, block, out = README.read_text().splitlines(), None, []
+    for i, line in enumerate(lines):
+        if line.startswith("```"):
+            block = line[3:].strip() if block is None else None
+        elif block == "" and line.startswith("$ python "):
+            out.append((line[2:], lines[i + 1]))
+    return out
+
+
+EXAMPLES = readme_examples()
+
+
+@pytest.mark.parametrize("command, printed", EXAMPLES, ids=[_c for _c, _ in EXAMPLES])
+def test_readme_example_prints_what_the_readme_shows(command, printed, tmp_path):
+    # as typed, with the repo's defaults: a user error comes before any data is read (nothing to append)
+    words = shlex.split(command)
+    proc = subprocess.run([sys.executable, *words[1:], f"hydra.run.dir={tmp_path / 'run'}"], cwd=REPO,
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1] == printed
+
+
 def _id(words: list[str]) -> str:
     return re.sub(r"[^\w=.,/<>+-]+", "_", " ".join(words))[:80]
 
@@ -67,6 +91,7 @@ def test_readme_has_the_commands_this_test_expects():
     first_sweep = next(i for i, t in enumerate(text) if " -m " in t or "sweep=" in t)
     assert all(i > first_sweep for i, t in enumerate(text) if "<sweep>" in t)
     assert len(COMMANDS) >= 25, text
+    assert len(EXAMPLES) >= 2, EXAMPLES
 
 
 @pytest.fixture(scope="module")

@@ -95,9 +95,9 @@ def validate(cfg: DictConfig) -> None:
     fix. The rules are the modules' own (their constants and check functions), so there is one of each."""
     from mhalab.attention import check_heads
     from mhalab.encoder import ACTIVATIONS
-    from mhalab.model import ENCODERS, POOLINGS
+    from mhalab.model import check_model
     from mhalab.module import SCHEDULES
-    from mhalab.variants import ABSOLUTE_POSITIONS, check_attention
+    from mhalab.variants import check_attention
 
     m = cfg.model
     dim, heads = _int(cfg, "model.dim", 1), _int(cfg, "model.heads", 1)
@@ -114,12 +114,8 @@ def validate(cfg: DictConfig) -> None:
         p = _float(cfg, key)
         if p is not None and not 0.0 <= p < 1.0:
             raise ConfigError(f"{_name(key)}={OmegaConf.select(cfg, key)} must be in [0, 1), e.g. 0.1.")
-    _choice(m.encoder, ENCODERS, "model.encoder")
     _choice(m.activation, tuple(ACTIVATIONS), "model.activation")
-    _choice(m.pooling, POOLINGS, "model.pooling")
-    if m.encoder == "official" and (m.attention != "full" or m.pos not in ABSOLUTE_POSITIONS):
-        raise ConfigError(f"model=official supports attention=full with pos=sinusoidal|learned only (got "
-                          f"attention={m.attention}, pos={m.pos}); use model=custom for the variants.")
+    _ok(check_model, m.encoder, m.pooling, m.attention, m.pos)
     options = OmegaConf.to_container(m.get("attention_options") or {}, resolve=True)
     _ok(check_attention, m.attention, m.pos, options, model_max_len + (m.pooling == "cls"))
 

@@ -70,7 +70,7 @@ class ReportCallback(Callback):
 
 def _check_writable(run_dir: str) -> None:
     from mhalab.cli import exit_with
-    from mhalab.errors import RunDirError
+    from mhalab.rundir import unwritable
 
     d = Path(run_dir)
     try:
@@ -79,8 +79,7 @@ def _check_writable(run_dir: str) -> None:
         probe.touch()
         probe.unlink()
     except OSError as e:
-        exit_with(RunDirError(f"cannot write to the run dir {d} ({e.strerror}); choose a writable one with "
-                              f"hydra.run.dir=<dir> (hydra.sweep.dir=<dir> for -m)."))
+        exit_with(unwritable(d, e))
 
 
 class CheckRunDir(Callback):

@@ -19,6 +19,22 @@ POOLINGS = ("mean", "cls")
 ENCODERS = ("custom", "official")
 
 
+def check_model(encoder: str, pooling: str, attention: str, pos: str) -> None:
+    """The classifier's own rules (the config validation runs them too): known encoder and pooling, and
+    PyTorch's encoder only with full attention and absolute positions. ValueError naming the fix."""
+    from mhalab.variants import ABSOLUTE_POSITIONS  # variants import attention, which imports nothing here
+
+    if encoder not in ENCODERS:
+        raise ValueError(f"unknown model.encoder '{encoder}'; choose one of {', '.join(ENCODERS)}.")
+    if pooling not in POOLINGS:
+        raise ValueError(f"unknown model.pooling '{pooling}'; choose one of {', '.join(POOLINGS)}.")
+    if encoder == "official" and (attention != "full" or pos not in ABSOLUTE_POSITIONS):
+        raise ValueError(
+            f"model=official supports attention=full with pos={'|'.join(ABSOLUTE_POSITIONS)} only (got "
+            f"attention={attention}, pos={pos}); use model=custom for the variants."
+        )
+
+
 class SequenceClassifier(nn.Module):
     def __init__(
         self,
@@ -41,17 +57,9 @@ class SequenceClassifier(nn.Module):
         embed_dropout: float | None = None,
     ):
         super().__init__()
-        if encoder not in ENCODERS:
-            raise ValueError(f"unknown model.encoder '{encoder}'; choose one of {', '.join(ENCODERS)}.")
-        if pooling not in POOLINGS:
-            raise ValueError(f"unknown model.pooling '{pooling}'; choose one of {', '.join(POOLINGS)}.")
-        from mhalab.variants import ABSOLUTE_POSITIONS, attention_parts  # variants import attention
+        check_model(encoder, pooling, attention, pos)
+        from mhalab.variants import attention_parts  # variants import attention
 
-        if encoder == "official" and (attention != "full" or pos not in ABSOLUTE_POSITIONS):
-            raise ValueError(
-                f"model=official supports attention=full with pos in {ABSOLUTE_POSITIONS} only "
-                f"(got attention={attention}, pos={pos}); use model=custom for the variants."
-            )
         self.pooling, self.pad_id = pooling, pad_id
         n_pos = max_len + (pooling == "cls")  # the CLS vector takes position 0
         self.embed = nn.Embedding(vocab_size, dim, padding_idx=pad_id)

@@ -49,6 +49,12 @@ def is_live(run_dir: str | Path) -> bool:
     return False
 
 
+def unwritable(run_dir: str | Path, e: OSError) -> RunDirError:
+    """The one message for a run dir that cannot be written (also checked before Hydra logs into it)."""
+    return RunDirError(f"cannot write to the run dir {run_dir} ({e.strerror}); choose a writable one with "
+                       f"hydra.run.dir=<dir> (hydra.sweep.dir=<dir> for -m).")
+
+
 class RunLock:
     """Context manager: hold `<run_dir>/.lock` for the life of this process's run.
 
@@ -67,8 +73,7 @@ class RunLock:
             self.dir.mkdir(parents=True, exist_ok=True)
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         except PermissionError as e:
-            raise RunDirError(f"cannot write to the run dir {self.dir} ({e.strerror}); choose a writable one "
-                              f"with hydra.run.dir=<dir> (hydra.sweep.dir=<dir> for -m).") from None
+            raise unwritable(self.dir, e) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
