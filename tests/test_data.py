@@ -8,6 +8,8 @@ import gzip
 import json
 import logging
 import random
+import subprocess
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -21,6 +23,7 @@ import mhalab.data.datamodule as datamodule_module
 from mhalab.data import (
     CLS_ID,
     PAD_ID,
+    SPECIALS,
     Collate,
     LengthBatchSampler,
     TextClassificationDataModule,
@@ -30,6 +33,7 @@ from mhalab.data import (
     padding_fraction,
     stratified_holdout,
 )
+from conftest import write_toy_sst2
 from mhalab.data.reading import clean_rows, load_table
 from mhalab.errors import ConfigError, DataError
 
@@ -290,6 +294,31 @@ def test_word_tokenizer_keeps_every_symbol_whole(tmp_path):
     assert tok.get_vocab_size() == 4 + 11  # specials + [MAX [MIN [SM ] and the digits 0 2 4 5 6 7 9
     ids = encode_texts(tok, ["[MAX 2 [SM 9 ] 8 ]"], 100)[0]
     assert len(ids) == 2 + 7 and ids[0] == CLS_ID and ids[-1] == 3 and ids[6] == 1  # '8' unseen: [UNK]
+
+
+def test_wordpiece_vocabulary_is_the_same_in_every_process(tmp_path):
+    """tokenizers' WordPiece trainer alone gives a different vocabulary in each process (hash-map order
+    breaks ties: 6 of 6 processes differed on these texts); ours gives one, so a fresh clone reproduces a run."""
+    texts_file = tmp_path / "texts.json"
+    texts_file.write_text(json.dumps([r["sentence"] for r in csv.DictReader(
+        open(write_toy_sst2(tmp_path) / "sst2" / "train.tsv"), delimiter="\t")]))
+    code = ("import json, sys; from mhalab.data import train_tokenizer; "
+            "tok = train_tokenizer(json.load(open(sys.argv[1])), 'wordpiece', 200, True, 1); "
+            "print(json.dumps(sorted(tok.get_vocab().items(), key=lambda kv: kv[1])))")
+    vocabs = [subprocess.run([sys.executable, "-c", code, str(texts_file)], capture_output=True, text=True,
+                             check=True).stdout for _ in range(3)]
+    assert len(json.loads(vocabs[0])) > 100 and vocabs[1] == vocabs[0] and vocabs[2] == vocabs[0]
+
+
+def test_wordpiece_pieces_are_ordinary_vocabulary_not_special_tokens():
+    from mhalab.data import train_tokenizer
+
+    tok = train_tokenizer(["playing played plays", "saying says said", "#1"], "wordpiece", 40, True, 1)
+    assert sorted(t.content for t in tok.get_added_tokens_decoder().values()) == sorted(SPECIALS)
+    assert "##s" in tok.get_vocab()
+    assert tok.encode("pays", add_special_tokens=False).tokens[-1] == "##s"  # an unseen word still splits into pieces
+    # text that spells a piece is punctuation plus a word, as in any WordPiece vocabulary, not the piece
+    assert tok.encode("##s", add_special_tokens=False).tokens == ["#", "#", "s"]
 
 
 def test_collate_and_padding_fraction():

@@ -71,46 +71,56 @@ def train_tokenizer(
     if kind == "bytes":
         return byte_tokenizer(lowercase)
     if kind == "wordpiece":
-        # BERT's recipe: split on whitespace and punctuation, '##' marks word-internal pieces.
-        tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
-        tok.normalizer = normalizers.BertNormalizer(lowercase=lowercase, strip_accents=None)
-        tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-        tok.decoder = decoders.WordPiece()
-        trainer = trainers.WordPieceTrainer(
-            vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=SPECIALS, show_progress=False
-        )
+        tok = _train_wordpiece(texts, vocab_size, lowercase, min_frequency)
     elif kind == "word":
         # word-level: every whitespace-separated token is one id (ListOps' `[MAX`, `]`, digits)
         tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
         tok.normalizer = _lowercase(lowercase)
         tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-        trainer = trainers.WordLevelTrainer(
-            vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=SPECIALS, show_progress=False
-        )
+        tok.train_from_iterator(texts, length=len(texts), trainer=trainers.WordLevelTrainer(
+            vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=SPECIALS, show_progress=False))
     elif kind == "bpe":
         # GPT-2's recipe: byte-level, so no [UNK] ever; the 256 byte symbols are always in the vocab.
         tok = Tokenizer(models.BPE(unk_token="[UNK]"))
         tok.normalizer = _lowercase(lowercase)
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
         tok.decoder = decoders.ByteLevel()
-        trainer = trainers.BpeTrainer(
+        tok.train_from_iterator(texts, length=len(texts), trainer=trainers.BpeTrainer(
             vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=SPECIALS,
-            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
-        )
-    elif kind == "word":
-        # Whitespace-separated symbols, one id each (synthetic tasks such as ListOps); unseen -> [UNK].
-        tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
-        if lowercase:
-            tok.normalizer = normalizers.Lowercase()
-        tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-        trainer = trainers.WordLevelTrainer(
-            vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=SPECIALS, show_progress=False
-        )
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
     else:
         raise ValueError(f"tokenizer kind '{kind}' is not supported; choose one of {list(KINDS)}.")
-    tok.train_from_iterator(texts, trainer=trainer, length=len(texts))
     assert [tok.token_to_id(s) for s in SPECIALS] == list(range(len(SPECIALS))), "specials must be ids 0..3"
     return _add_cls_sep(tok)
+
+
+def _train_wordpiece(texts: Sequence[str], vocab_size: int, lowercase: bool, min_frequency: int) -> Tokenizer:
+    """BERT's recipe: split on whitespace and punctuation, '##' marks word-internal pieces; the same
+    vocabulary in every process.
+
+    tokenizers' trainer gives each '##c' piece an id in the order it meets the words, which is a hash
+    map's (random per process), and breaks ties between equally frequent merges by those ids: the same
+    texts gave a different vocabulary in every run (huggingface/tokenizers#1794). Declaring every piece
+    up front, in sorted order, fixes their ids; they are then removed from the special tokens, so they
+    are ordinary vocabulary, as the trainer would have made them.
+    """
+    def train(vocab_size: int, specials: list[str]) -> Tokenizer:
+        tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+        tok.normalizer = normalizers.BertNormalizer(lowercase=lowercase, strip_accents=None)
+        tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+        tok.train_from_iterator(texts, length=len(texts), trainer=trainers.WordPieceTrainer(
+            vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=specials, show_progress=False))
+        return tok
+
+    # with no room for merges the trainer returns its alphabet: the characters and the '##c' pieces
+    pieces = sorted(t for t in train(0, SPECIALS).get_vocab() if t.startswith("##"))
+    tok = train(vocab_size, SPECIALS + pieces)
+
+    # the same vocabulary in a tokenizer whose only special tokens are SPECIALS
+    out = Tokenizer(models.WordPiece(vocab=tok.get_vocab(), unk_token="[UNK]"))
+    out.normalizer, out.pre_tokenizer, out.decoder = tok.normalizer, tok.pre_tokenizer, decoders.WordPiece()
+    out.add_special_tokens(SPECIALS)
+    return out
 
 
 def load_tokenizer(tokenizer: Tokenizer | str) -> Tokenizer:
