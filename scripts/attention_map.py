@@ -15,10 +15,10 @@ import sys
 from pathlib import Path
 
 try:
-    from mhalab.attention_maps import main
+    from mhalab.analysis.attention_maps import main
 except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-    from mhalab.attention_maps import main
+    from mhalab.analysis.attention_maps import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -8,7 +8,7 @@ Writes bench.json, bench.md and bench.png to results/bench/<device-name>/ (or --
 
 import sys
 
-from mhalab.bench import main
+from mhalab.analysis.bench import main
 
 if __name__ == "__main__":
     sys.exit(main())

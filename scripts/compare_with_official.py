@@ -23,8 +23,8 @@ from rich.console import Console
 from rich.table import Table
 from torch import Tensor, nn
 
-from mhalab.attention import MultiHeadAttention
-from mhalab.encoder import TransformerEncoderLayer
+from mhalab.nn.attention import MultiHeadAttention
+from mhalab.nn.encoder import TransformerEncoderLayer
 
 TOL = 1e-5
 E, H, B, L = 64, 8, 4, 10  # the article's sizes: embed_dim 64, 8 heads, batch 4, seq_len 10

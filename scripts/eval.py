@@ -18,12 +18,12 @@ from rich.console import Console
 from rich.table import Table
 from torch.utils.data import DataLoader
 
-from mhalab import checkpoint
 from mhalab.cli import one_line_errors
-from mhalab.config import instantiate
 from mhalab.data import Collate, EncodedSplit, LengthBatchSampler, encode_texts
 from mhalab.errors import ConfigError
-from mhalab.module import Classifier
+from mhalab.train import checkpoint
+from mhalab.train.config import instantiate
+from mhalab.train.module import Classifier
 
 USAGE = "usage: python scripts/eval.py ckpt_path=PATH [split=test|validation|train] [data_dir=DIR] [batch_size=N] [out=FILE]"
 

@@ -14,10 +14,10 @@ import sys
 from pathlib import Path
 
 try:
-    from mhalab.lra import write_lra_table
+    from mhalab.analysis.lra import write_lra_table
 except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-    from mhalab.lra import write_lra_table
+    from mhalab.analysis.lra import write_lra_table
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,10 +14,10 @@ import sys
 from pathlib import Path
 
 try:
-    from mhalab.report import DEFAULT_METRIC, NoMembersError, write_report
+    from mhalab.analysis.report import DEFAULT_METRIC, NoMembersError, write_report
 except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-    from mhalab.report import DEFAULT_METRIC, NoMembersError, write_report
+    from mhalab.analysis.report import DEFAULT_METRIC, NoMembersError, write_report
 
 
 def main(argv: list[str] | None = None) -> int:

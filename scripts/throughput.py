@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from hydra import compose, initialize_config_dir
 
-import mhalab.config  # noqa: F401  (resolvers)
+import mhalab.train.config  # noqa: F401  (resolvers)
 from mhalab.data import TextClassificationDataModule
 from mhalab.model import SequenceClassifier
 
@@ -29,7 +29,7 @@ SIZES = {"sst2": {"batch_size": 64, "max_len": 64}, "imdb": {"batch_size": 32, "
 
 
 def measure(data: str, mode: str, steps: int, device: str) -> dict:
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(REPO / "src" / "mhalab" / "conf"), version_base="1.3"):
         cfg = compose("train", overrides=[f"data={data}", "paths.output_dir=/tmp"])
     kwargs = {k: v for k, v in dict(cfg.data).items() if k != "_target_"}
     kwargs.update(SIZES[data], **MODES[mode])

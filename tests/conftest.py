@@ -10,10 +10,10 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, open_dict
 
-import mhalab.config  # noqa: F401  (registers the config resolvers)
+import mhalab.train.config  # noqa: F401  (registers the config resolvers)
 
 REPO = Path(__file__).resolve().parents[1]
-CONF = REPO / "conf"
+CONF = REPO / "src" / "mhalab" / "conf"
 SHARED_DATA = REPO.parent / "shared" / "data"
 
 TOL = 1e-5  # float32 equality with PyTorch's modules

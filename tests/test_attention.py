@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from conftest import close
 from torch import nn
 
-from mhalab.attention import MultiHeadAttention, ScaledDotProductAttention
+from mhalab.nn.attention import MultiHeadAttention, ScaledDotProductAttention
 
 ONE_THREAD = True  # tiny tensors: see conftest.one_thread
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from mhalab.attention_maps import (
+from mhalab.analysis.attention_maps import (
     AttentionMapLogger,
     NoAttentionWeights,
     attention_modules,
@@ -23,7 +23,7 @@ from mhalab.attention_maps import (
 )
 from mhalab.data import Collate, train_tokenizer
 from mhalab.errors import CheckpointError
-from mhalab.module import Classifier
+from mhalab.train.module import Classifier
 
 REPO = Path(__file__).resolve().parents[1]
 TEXTS = ["a fine and moving film", "a dull boring plot", "great acting and a lovely story", "awful weak film"] * 8

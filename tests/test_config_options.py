@@ -3,7 +3,7 @@
 The cases come from the files: each conf/<group>/<option>.yaml (and conf/hydra/<group>/<option>.yaml), so a
 new option is covered by being added. Per case:
   compose the real conf/train.yaml with `<group>=<option>` (a sweep or a search: one real member, the first
-  value of each swept parameter), mhalab.config.validate, mhalab.train.build (the datamodule reads, tokenizes
+  value of each swept parameter), mhalab.train.config.validate, mhalab.train.build (the datamodule reads, tokenizes
   and sets up its data; the Classifier is made), then one forward and backward pass on the training batch that
   holds the longest training example (the batch a too-small position table fails on), and the Lightning
   parts the option configures (Trainer, loggers, callbacks).
@@ -34,9 +34,9 @@ from hydra.types import RunMode
 from lightning.pytorch.callbacks import Callback, ProgressBar
 from omegaconf import OmegaConf, open_dict
 
-from mhalab.config import instantiate, validate
-from mhalab.loggers import prepare_wandb
-from mhalab.train import build
+from mhalab.train.config import instantiate, validate
+from mhalab.train.loggers import prepare_wandb
+from mhalab.train.run import build
 
 GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir() and p.name != "hydra")
 HYDRA_GROUPS = sorted(f"hydra/{p.name}" for p in (CONF / "hydra").iterdir() if p.is_dir())

@@ -18,6 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+from conftest import write_toy_sst2
 
 import mhalab.data.datamodule as datamodule_module
 from mhalab.data import (
@@ -33,7 +34,6 @@ from mhalab.data import (
     padding_fraction,
     stratified_holdout,
 )
-from conftest import write_toy_sst2
 from mhalab.data.reading import clean_rows, load_table
 from mhalab.errors import ConfigError, DataError
 
@@ -300,8 +300,8 @@ def test_wordpiece_vocabulary_is_the_same_in_every_process(tmp_path):
     """tokenizers' WordPiece trainer alone gives a different vocabulary in each process (hash-map order
     breaks ties: 6 of 6 processes differed on these texts); ours gives one, so a fresh clone reproduces a run."""
     texts_file = tmp_path / "texts.json"
-    texts_file.write_text(json.dumps([r["sentence"] for r in csv.DictReader(
-        open(write_toy_sst2(tmp_path) / "sst2" / "train.tsv"), delimiter="\t")]))
+    rows = (write_toy_sst2(tmp_path) / "sst2" / "train.tsv").read_text().splitlines()[1:]
+    texts_file.write_text(json.dumps([r.split("\t")[0] for r in rows]))
     code = ("import json, sys; from mhalab.data import train_tokenizer; "
             "tok = train_tokenizer(json.load(open(sys.argv[1])), 'wordpiece', 200, True, 1); "
             "print(json.dumps(sorted(tok.get_vocab().items(), key=lambda kv: kv[1])))")

@@ -14,9 +14,9 @@ import torch.nn.functional as F
 from conftest import close
 from torch import nn
 
-from mhalab.attention import MultiHeadAttention
-from mhalab.encoder import OfficialEncoder, TransformerEncoder, TransformerEncoderLayer
 from mhalab.model import SequenceClassifier
+from mhalab.nn.attention import MultiHeadAttention
+from mhalab.nn.encoder import OfficialEncoder, TransformerEncoder, TransformerEncoderLayer
 
 ONE_THREAD = True  # tiny tensors: see conftest.one_thread
 

@@ -219,7 +219,7 @@ def test_datamodule_refuses_truncation_and_subsets(tmp_path):
 def test_hydra_config_data_listops_builds_and_runs_the_model(tmp_path):
     from conftest import compose_train
 
-    from mhalab.train import build
+    from mhalab.train.run import build
 
     cfg = compose_train(["data=listops", "max_len=66", "data.max_length=64", "data.min_length=8",
                          "data.num_train=64", "data.num_validation=16", "data.num_test=16", "batch_size=8"],

@@ -12,9 +12,9 @@ import pytest
 import torch
 from conftest import compose_train
 
-from mhalab import loggers
-from mhalab.loggers import _has_wandb_key, prepare_wandb
-from mhalab.train import run
+from mhalab.train import loggers
+from mhalab.train.loggers import _has_wandb_key, prepare_wandb
+from mhalab.train.run import run
 
 KEY = "local-" + "k" * 40  # the shape wandb accepts (40+ characters after the prefix)
 WANDB_VARS = ("WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_BASE_URL", "WANDB_MODE", "WANDB_CONFIG_DIR",

@@ -14,10 +14,11 @@ import torch
 from conftest import SHARED_DATA, compose_train
 from torch.utils.data import DataLoader
 
+from mhalab.analysis.lra import LRA_PAPER, PerfMonitor, write_lra_table
 from mhalab.data import Collate
 from mhalab.data.subset import SubsetDataModule
-from mhalab.lra import LRA_PAPER, PerfMonitor, peak_memory_mb, reset_peak_memory, write_lra_table
-from mhalab.module import Classifier
+from mhalab.train.memory import peak_memory_mb, reset_peak_memory
+from mhalab.train.module import Classifier
 
 IMDB = SHARED_DATA / "imdb" / "train.jsonl.gz"
 
@@ -90,7 +91,7 @@ def test_sweep_presets_compose(tmp_path):
     def cfg_for(*overrides):
         return compose("train", overrides=[*overrides, f"paths.output_dir={tmp_path}"], return_hydra_config=True)
 
-    with initialize_config_dir(config_dir=str(Path(__file__).parents[1] / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(Path(__file__).parents[1] / "src" / "mhalab" / "conf"), version_base="1.3"):
         for data, max_len in (("listops", 512), ("imdb_bytes", 1024)):
             for kind in ("full", "performer"):
                 cfg = cfg_for("sweep=lra", f"data={data}", f"model.attention={kind}")
@@ -98,7 +99,7 @@ def test_sweep_presets_compose(tmp_path):
                 assert cfg.model.max_len == cfg.data.max_len == max_len and cfg.model.attention == kind
                 assert cfg.data.max_examples.train == {"listops": 1000, "imdb_bytes": 400}[data]
                 assert cfg.trainer.accelerator == "cpu" and cfg.data.batch_size == 16
-                assert cfg.callbacks.perf._target_ == "mhalab.lra.PerfMonitor"
+                assert cfg.callbacks.perf._target_ == "mhalab.analysis.lra.PerfMonitor"
         assert cfg.hydra.mode.name == "MULTIRUN"
         assert set(cfg.hydra.sweeper.params) == {"data", "model.attention"}
         for data, dim, steps, max_len in (("listops_lra", 512, 5000, 2048), ("imdb_bytes_lra", 256, 20000, 4096)):
@@ -168,7 +169,7 @@ def test_lra_table_from_a_sweep_dir(tmp_path):
 
 
 def test_interleaved_retiming_covers_every_kind():
-    from mhalab.lra import interleaved_step_times, render_retiming
+    from mhalab.analysis.lra import interleaved_step_times, render_retiming
 
     cfg = {"dim": 16, "heads": 2, "layers": 1, "ff_dim": 32, "max_len": 16,
            "attention_options": {"window": 4, "linformer_k": 4, "performer_features": 8}}

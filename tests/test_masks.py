@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mhalab.masks import dead_rows, merge_masks, to_additive
+from mhalab.nn.masks import dead_rows, merge_masks, to_additive
 
 ONE_THREAD = True  # tiny tensors: see conftest.one_thread
 

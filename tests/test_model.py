@@ -5,9 +5,9 @@ import torch
 import torch.nn.functional as F
 from conftest import close
 
-from mhalab.attention import MultiHeadAttention
-from mhalab.encoder import OfficialEncoder, TransformerEncoder
 from mhalab.model import SequenceClassifier
+from mhalab.nn.attention import MultiHeadAttention
+from mhalab.nn.encoder import OfficialEncoder, TransformerEncoder
 
 
 def _batch(B=4, L=12, vocab=50, seed=0):

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 from conftest import REPO
 
-from mhalab import record
+from mhalab.train import record
 
 README = REPO / "README.md"
 VENV = Path(sys.executable).parent.parent

@@ -13,8 +13,8 @@ import torch
 from conftest import REPO, compose_train
 
 from mhalab.model import SequenceClassifier
-from mhalab.module import NonFiniteLossError
-from mhalab.train import run
+from mhalab.train.module import NonFiniteLossError
+from mhalab.train.run import run
 
 
 class PoisonWeights(L.Callback):

@@ -1,4 +1,4 @@
-"""Sweep report (mhalab.report, scripts/report.py, mhalab.hydra_callbacks) on synthetic multirun dirs."""
+"""Sweep report (mhalab.analysis.report, scripts/report.py, mhalab.train.hydra_callbacks) on synthetic multirun dirs."""
 
 from __future__ import annotations
 
@@ -15,8 +15,7 @@ import pandas as pd
 import pytest
 from omegaconf import OmegaConf
 
-from mhalab.hydra_callbacks import ReportCallback
-from mhalab.report import (
+from mhalab.analysis.report import (
     INCONCLUSIVE,
     NOT_COVERED,
     NOT_SUPPORTED,
@@ -28,6 +27,7 @@ from mhalab.report import (
     training_val_rows,
     write_report,
 )
+from mhalab.train.hydra_callbacks import ReportCallback
 
 REPO = Path(__file__).resolve().parents[1]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -424,7 +424,7 @@ def test_callback_swallows_errors(tmp_path: Path, caplog: pytest.LogCaptureFixtu
     empty.mkdir()
     a_file = tmp_path / "file"
     a_file.write_text("x")
-    with caplog.at_level(logging.ERROR, logger="mhalab.hydra_callbacks"):
+    with caplog.at_level(logging.ERROR, logger="mhalab.train.hydra_callbacks"):
         cb.on_multirun_end(OmegaConf.create({"hydra": {"sweep": {"dir": str(empty)}}}))
         cb.on_multirun_end(OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path / "missing")}}}))
         cb.on_multirun_end(OmegaConf.create({"hydra": {"sweep": {"dir": str(a_file)}}}))
@@ -444,7 +444,7 @@ def test_callback_in_a_real_hydra_multirun(tmp_path: Path) -> None:
         "    subdir: ${hydra.job.override_dirname}\n"
         "  callbacks:\n"
         "    report:\n"
-        "      _target_: mhalab.hydra_callbacks.ReportCallback\n")
+        "      _target_: mhalab.train.hydra_callbacks.ReportCallback\n")
     (tmp_path / "app.py").write_text(
         "import json, hydra\n"
         "from pathlib import Path\n"

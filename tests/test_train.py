@@ -13,10 +13,10 @@ import torch
 from conftest import CONF, REPO, SHARED_DATA, compose_train
 from hydra.utils import instantiate
 
-from mhalab.attention import MultiHeadAttention
-from mhalab.config import validate
 from mhalab.errors import DataError, UserError
-from mhalab.train import build, run
+from mhalab.nn.attention import MultiHeadAttention
+from mhalab.train.config import validate
+from mhalab.train.run import build, run
 
 
 def test_launcher_and_sweeper_plugins_compose(tmp_path):

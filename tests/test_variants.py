@@ -1,28 +1,22 @@
-"""Numbers for mhalab.variants: RoPE, ALiBi, T5 bias, window / Linformer / Performer kernels, factory."""
+"""Numbers for the variants (mhalab.nn.positions, mhalab.nn.kernels, built by mhalab.model): RoPE, ALiBi, T5 bias, window / Linformer / Performer kernels, factory."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from mhalab.attention import MultiHeadAttention, ScaledDotProductAttention
-from mhalab.masks import merge_masks, to_additive
-from mhalab.variants import (
+from mhalab.model import (
     ABSOLUTE_POSITIONS,
     ATTENTION_OPTIONS,
     ATTENTIONS,
     POSITIONS,
-    ALiBi,
-    LinformerAttention,
-    PerformerAttention,
-    RotaryEmbedding,
-    T5RelativeBias,
-    WindowAttention,
-    alibi_slopes,
     attention_parts,
     check_attention,
-    relative_position_bucket,
 )
+from mhalab.nn.attention import MultiHeadAttention, ScaledDotProductAttention
+from mhalab.nn.kernels import LinformerAttention, PerformerAttention, WindowAttention
+from mhalab.nn.masks import merge_masks, to_additive
+from mhalab.nn.positions import ALiBi, RotaryEmbedding, T5RelativeBias, alibi_slopes, relative_position_bucket
 
 close = {"atol": 1e-6, "rtol": 1e-6}
 

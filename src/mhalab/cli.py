@@ -35,3 +35,23 @@ def one_line_errors(fn):
             exit_with(e)
 
     return wrapper
+
+
+# ------------------------------------------------------------------------------------ console scripts
+# Each imports what it needs when it runs, so `import mhalab.cli` stays cheap. Hydra's key=value style for all.
+
+
+def train() -> None:
+    """mhalab-train (and `python train.py` in a checkout): one run, or a sweep with -m."""
+    import hydra
+
+    from mhalab.train import config  # registers the resolvers the configs use
+
+    @hydra.main(version_base="1.3", config_path=str(config.CONF_DIR), config_name="train")
+    @one_line_errors
+    def main(cfg):
+        from mhalab.train.run import run
+
+        return run(cfg)
+
+    main()

@@ -2,18 +2,140 @@
 
 `encoder="custom"` stacks our TransformerEncoderLayer; `encoder="official"` wraps nn.TransformerEncoder.
 With the same weights the two give the same logits (see `with_encoder` and tests/test_model.py).
+
+It is also the one place that builds the attention parts, the article's "next steps" as small pieces that
+plug into `MultiHeadAttention`'s hooks:
+
+    parts = attention_parts("window", "rope", embed_dim=256, num_heads=8, max_len=512, dropout=0.1)
+    mha = MultiHeadAttention(256, 8, 0.1, **parts)   # parts = {"attention", "rotary", "position_bias"}
+
+model.pos:        sinusoidal | learned (absolute, added to the embeddings by the model: no part here)
+                  rope (rotary hook) | alibi | t5 (position_bias hook)
+model.attention:  full (the default softmax kernel) | window | linformer | performer (attention hook)
+Any position composes with full and window. linformer and performer never form the (L_q, L_k)
+score matrix, so they cannot add the alibi / t5 bias: those pairs raise ValueError (see
+`check_combination`); rope and the absolute positions work with every kernel.
+model.attention_options: the names and defaults in ATTENTION_OPTIONS (conf/model/custom.yaml declares
+the same); `check_attention` refuses unknown keys, bad values, and a window that is full attention.
 """
 
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping
 
 import torch
 from torch import Tensor, nn
 
-from mhalab.attention import MultiHeadAttention
-from mhalab.encoder import OfficialEncoder, TransformerEncoder, TransformerEncoderLayer
-from mhalab.positional import LearnedPosition, SinusoidalPosition
+from mhalab.nn.attention import MultiHeadAttention, check_heads
+from mhalab.nn.encoder import OfficialEncoder, TransformerEncoder, TransformerEncoderLayer
+from mhalab.nn.kernels import LinformerAttention, PerformerAttention, WindowAttention
+from mhalab.nn.positions import ALiBi, LearnedPosition, RotaryEmbedding, SinusoidalPosition, T5RelativeBias
+
+ATTENTIONS = ("full", "window", "linformer", "performer")
+POSITIONS = ("sinusoidal", "learned", "rope", "alibi", "t5")
+ABSOLUTE_POSITIONS = ("sinusoidal", "learned")
+BIAS_POSITIONS = ("alibi", "t5")  # need the (L_q, L_k) score matrix
+LINEAR_ATTENTIONS = ("linformer", "performer")  # never form it
+# model.attention_options -> default; the one list of them (conf/model/custom.yaml mirrors it, a test checks)
+ATTENTION_OPTIONS = {"window": 128, "global_tokens": 1, "linformer_k": 64, "performer_features": 64}
+_OPTION_MIN = {"window": 0, "global_tokens": 0, "linformer_k": 1, "performer_features": 1}
+
+def check_combination(attention: str, pos: str) -> None:
+    """Raise ValueError for an unknown name or a pair that cannot work; cheap, builds nothing."""
+    if attention not in ATTENTIONS:
+        raise ValueError(f"unknown model.attention '{attention}'; choose one of {', '.join(ATTENTIONS)}.")
+    if pos not in POSITIONS:
+        raise ValueError(f"unknown model.pos '{pos}'; choose one of {', '.join(POSITIONS)}.")
+    if attention in LINEAR_ATTENTIONS and pos in BIAS_POSITIONS:
+        raise ValueError(
+            f"model.attention={attention} cannot use model.pos={pos}: {pos} adds a bias to every "
+            f"(query, key) score and {attention} never forms the score matrix. Use model.pos=rope, "
+            f"sinusoidal or learned with {attention}, or model.attention=full / window with {pos}."
+        )
+
+
+def check_attention(attention: str, pos: str, options: Mapping | None, max_len: int) -> None:
+    """Raise ValueError, one line naming the value and the fix, for what attention_parts cannot build or
+    would build silently wrong. Cheap, builds nothing; the config validation calls it too.
+
+    options: model.attention_options (missing keys take ATTENTION_OPTIONS' defaults).
+    max_len: the number of positions attention sees: the model's max_len, + 1 with pooling=cls
+             (SequenceClassifier's n_pos).
+    Refuses check_combination's pairs, unknown option keys, values that are not integers >= their
+    minimum, and window attention whose band covers every (query, key) pair of max_len positions.
+    """
+    check_combination(attention, pos)
+    options = dict(options or {})
+    for key, value in options.items():
+        if key not in ATTENTION_OPTIONS:
+            valid = ", ".join(f"model.attention_options.{k}" for k in ATTENTION_OPTIONS)
+            raise ValueError(f"unknown option model.attention_options.{key}; the options are {valid}.")
+        low = _OPTION_MIN[key]
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"model.attention_options.{key}={value!r} must be an integer >= {low} "
+                             f"(the default is {ATTENTION_OPTIONS[key]}).")
+    if attention != "window" or max_len < 2:
+        return
+    opts = {**ATTENTION_OPTIONS, **options}
+    w, g = opts["window"], opts["global_tokens"]
+    # WindowAttention: query i sees key j iff |i - j| <= w // 2 or i < g or j < g. The farthest pair of
+    # non-global positions is (g, max_len - 1), so the band covers every pair iff w // 2 >= max_len - 1 - g.
+    reach = max_len - 1 - g
+    if reach < 1:
+        raise ValueError(
+            f"model.attention=window with model.attention_options.global_tokens={g} covers every position of "
+            f"max_len={max_len} whatever the window: it would be full attention; set "
+            f"model.attention_options.global_tokens below {max_len - 1} or use model.attention=full.")
+    if w // 2 >= reach:
+        glob = f", plus {g} global token{'s' * (g > 1)}" if g else ""
+        eg = 1 << (reach.bit_length() - 1)  # a power of two <= reach: its eg // 2 keys fall short
+        raise ValueError(
+            f"model.attention=window with model.attention_options.window={w} ({w // 2} keys on each side"
+            f"{glob}) covers every position of max_len={max_len}: it would be full attention; set "
+            f"model.attention_options.window below {2 * reach} (e.g. {eg}) or use model.attention=full.")
+
+
+def attention_parts(
+    attention: str = "full",
+    pos: str = "sinusoidal",
+    *,
+    embed_dim: int,
+    num_heads: int,
+    max_len: int,
+    dropout: float,
+    **options: int,
+) -> dict[str, nn.Module | None]:
+    """Modules for MultiHeadAttention(embed_dim, num_heads, dropout, **parts).
+
+    Returns {"attention": kernel or None (None = the default softmax kernel),
+             "rotary": RotaryEmbedding or None, "position_bias": ALiBi / T5RelativeBias or None}.
+    options (ATTENTION_OPTIONS, checked by check_attention; missing ones take its defaults):
+    window: Longformer window (each query sees window // 2 keys on each side);
+    global_tokens: the first positions (e.g. CLS) that attend to and are attended by all;
+    linformer_k: projected length k; performer_features: number of random features m.
+    """
+    check_attention(attention, pos, options, max_len)
+    o = {**ATTENTION_OPTIONS, **options}
+    check_heads(embed_dim, num_heads)
+    head_dim = embed_dim // num_heads
+
+    kernel: nn.Module | None = None
+    if attention == "window":
+        kernel = WindowAttention(o["window"], o["global_tokens"], dropout)
+    elif attention == "linformer":
+        kernel = LinformerAttention(max_len, o["linformer_k"], dropout)
+    elif attention == "performer":
+        kernel = PerformerAttention(head_dim, o["performer_features"])
+
+    rotary = RotaryEmbedding(head_dim, max_len) if pos == "rope" else None
+    bias: nn.Module | None = None
+    if pos == "alibi":
+        bias = ALiBi(num_heads)
+    elif pos == "t5":
+        bias = T5RelativeBias(num_heads)
+    return {"attention": kernel, "rotary": rotary, "position_bias": bias}
+
 
 POOLINGS = ("mean", "cls")
 ENCODERS = ("custom", "official")
@@ -22,8 +144,6 @@ ENCODERS = ("custom", "official")
 def check_model(encoder: str, pooling: str, attention: str, pos: str) -> None:
     """The classifier's own rules (the config validation runs them too): known encoder and pooling, and
     PyTorch's encoder only with full attention and absolute positions. ValueError naming the fix."""
-    from mhalab.variants import ABSOLUTE_POSITIONS  # variants import attention, which imports nothing here
-
     if encoder not in ENCODERS:
         raise ValueError(f"unknown model.encoder '{encoder}'; choose one of {', '.join(ENCODERS)}.")
     if pooling not in POOLINGS:
@@ -58,7 +178,6 @@ class SequenceClassifier(nn.Module):
     ):
         super().__init__()
         check_model(encoder, pooling, attention, pos)
-        from mhalab.variants import attention_parts  # variants import attention
 
         self.pooling, self.pad_id = pooling, pad_id
         n_pos = max_len + (pooling == "cls")  # the CLS vector takes position 0

@@ -1,0 +1,2 @@
+"""Training on Lightning and Hydra: config validation, the run and its record, the LightningModule,
+callbacks, loggers and checkpoints."""

@@ -1,0 +1,190 @@
+"""Config resolvers and the checks that run before any data is read (torchtune-style validation)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import secrets
+import time
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from mhalab.errors import ConfigError
+
+__all__ = ["ConfigError", "register_resolvers", "validate"]
+
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"  # the Hydra configs, shipped inside the package
+
+
+def source_checkout() -> Path | None:
+    """The checkout this code runs from (`python train.py`, an editable install), or None once installed."""
+    root = Path(__file__).resolve().parents[3]  # <root>/src/mhalab/train/config.py
+    return root if (root / "pyproject.toml").is_file() and (root / "src" / "mhalab").is_dir() else None
+
+
+def default_data_dir() -> str:
+    """paths.data_dir unless MHALAB_DATA_DIR is set: the shared data beside a checkout, else ./data."""
+    root = source_checkout()
+    return str(root.parent / "shared" / "data" if root else Path.cwd() / "data")
+
+
+def default_cache_dir() -> str:
+    """paths.cache_dir (tokenizers, encoded splits) unless MHALAB_CACHE_DIR is set: <checkout>/.cache, or
+    the user's cache dir once installed ($XDG_CACHE_HOME/mhalab, ~/.cache/mhalab), never site-packages."""
+    root = source_checkout()
+    if root:
+        return str(root / ".cache")
+    return str(Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mhalab")
+
+
+def _auto_precision() -> str:
+    if torch.cuda.is_available() and torch.cuda.is_bf16_supported():
+        return "bf16-mixed"
+    return "32-true"
+
+
+def _run_id() -> str:
+    # time to the second plus pid and 4 random hex digits: jobs started in the same second never collide
+    return f"{time.strftime('%Y-%m-%d/%H-%M-%S')}_{os.getpid()}{secrets.token_hex(2)}"
+
+
+def _member_dir(override_dirname: str) -> str:
+    """A sweep member's dir name from its overrides: one path component, at most ~120 characters."""
+    name = override_dirname.replace(os.sep, "_") or "default"
+    if len(name) > 120:
+        name = f"{name[:100]}-{hashlib.sha1(name.encode()).hexdigest()[:10]}"
+    return name
+
+
+def register_resolvers() -> None:
+    for name, fn in {
+        "member_dir": _member_dir,
+        "default_data_dir": default_data_dir,
+        "default_cache_dir": default_cache_dir,
+        "mul": lambda a, b: a * b,
+        "auto_precision": _auto_precision,
+        "run_id": _run_id,
+    }.items():
+        if not OmegaConf.has_resolver(name):
+            OmegaConf.register_new_resolver(name, fn, use_cache=name == "run_id")
+
+
+register_resolvers()
+
+
+def _int(cfg: DictConfig, key: str, minimum: int | None = None, what: str = "") -> int:
+    """cfg[key] as an int, or a ConfigError naming the key (a root shortcut by its short name)."""
+    value = OmegaConf.select(cfg, key)
+    name = _name(key)
+    if isinstance(value, bool) or not isinstance(value, (int, str)) or not str(value).lstrip("-").isdigit():
+        raise ConfigError(f"{name}={value!r} must be an integer{what}.")
+    value = int(value)
+    if minimum is not None and value < minimum:
+        raise ConfigError(f"{name}={value} must be >= {minimum}{what}.")
+    return value
+
+
+def _float(cfg: DictConfig, key: str) -> float | None:
+    value = OmegaConf.select(cfg, key)
+    if value is None:
+        return None
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{_name(key)}={value!r} must be a number.") from None
+
+
+def _name(key: str) -> str:
+    """How a message names a key: a root shortcut by its short name (dropout, not model.dropout)."""
+    leaf = key.split(".")[-1]
+    return leaf if leaf in _SHORTCUTS and key.split(".")[0] in ("model", "data", "optim", "trainer") else key
+
+
+def _choice(value, choices, key: str) -> None:
+    if value not in choices:
+        raise ConfigError(f"unknown {key} '{value}'; choose one of {', '.join(map(str, choices))}.")
+
+
+# the root shortcuts (conf/train.yaml, and max_len / batch_size from conf/data): messages use their names
+_SHORTCUTS = ("dim", "heads", "layers", "ff_dim", "ff_ratio", "dropout", "lr", "batch_size", "max_epochs",
+              "max_len", "seed")
+
+
+def validate(cfg: DictConfig) -> None:
+    """Cheap checks of the composed config, before any data is read. Each message names the value and the
+    fix. The rules are the modules' own (their constants and check functions), so there is one of each."""
+    from mhalab.model import check_attention, check_model
+    from mhalab.nn.attention import check_heads
+    from mhalab.nn.encoder import ACTIVATIONS
+    from mhalab.train.module import SCHEDULES
+
+    m = cfg.model
+    dim, heads = _int(cfg, "model.dim", 1), _int(cfg, "model.heads", 1)
+    _ok(check_heads, dim, heads, ("dim", "heads"))
+    _int(cfg, "model.layers", 1)
+    _int(cfg, "model.ff_dim", 1)
+    max_len = _int(cfg, "data.max_len")  # its minimum is the datamodule's rule ([CLS], [SEP], one token)
+    model_max_len = _int(cfg, "model.max_len")
+    if model_max_len < max_len:
+        raise ConfigError(f"model.max_len={model_max_len} is below data.max_len={max_len}: the position encoding "
+                          f"would end before the longest batch; set both with max_len=N.")
+    _int(cfg, "data.batch_size", 1)
+    for key in ("model.dropout", "model.embed_dropout"):
+        p = _float(cfg, key)
+        if p is not None and not 0.0 <= p < 1.0:
+            raise ConfigError(f"{_name(key)}={OmegaConf.select(cfg, key)} must be in [0, 1), e.g. 0.1.")
+    _choice(m.activation, tuple(ACTIVATIONS), "model.activation")
+    _ok(check_model, m.encoder, m.pooling, m.attention, m.pos)
+    options = OmegaConf.to_container(m.get("attention_options") or {}, resolve=True)
+    _ok(check_attention, m.attention, m.pos, options, model_max_len + (m.pooling == "cls"))
+
+    lr = _float(cfg, "optim.lr")
+    if lr is None or lr <= 0:
+        raise ConfigError(f"lr={OmegaConf.select(cfg, 'optim.lr')} must be > 0, e.g. 1e-3.")
+    _choice(cfg.optim.schedule, SCHEDULES, "optim.schedule")
+    warmup = _float(cfg, "optim.warmup_ratio")
+    if warmup is None or not 0.0 <= warmup < 1.0:
+        raise ConfigError(f"optim.warmup_ratio={warmup} must be in [0, 1).")
+
+    t = cfg.trainer
+    max_steps = _int(cfg, "trainer.max_steps", -1) if t.get("max_steps") is not None else -1
+    if max_steps <= 0 and not t.get("fast_dev_run"):
+        epochs = _int(cfg, "trainer.max_epochs")
+        if epochs == 0:
+            raise ConfigError("max_epochs=0 trains nothing; set max_epochs >= 1 (debug=fast runs one batch of each split).")
+        if epochs < 0:
+            raise ConfigError(f"max_epochs={epochs} would train forever and the lr schedule needs a length; set "
+                              f"max_epochs >= 1, or trainer.max_steps=N.")
+    _int(cfg, "seed", 0)
+    if cfg.get("ckpt_path"):
+        from mhalab.train import checkpoint
+
+        path = checkpoint.resolve(str(cfg.ckpt_path))
+        checkpoint.check_fits(path, OmegaConf.to_container(m, resolve=True),
+                              OmegaConf.to_container(cfg.data, resolve=True))
+
+
+def instantiate(cfg, **kwargs):
+    """hydra.utils.instantiate, except that a user error raised by the constructor (the datamodule checks its
+    arguments there) comes out as itself, not wrapped in Hydra's InstantiationException."""
+    from hydra.errors import InstantiationException
+    from hydra.utils import instantiate as hydra_instantiate
+
+    from mhalab.errors import UserError
+
+    try:
+        return hydra_instantiate(cfg, **kwargs)
+    except InstantiationException as e:
+        if isinstance(e.__cause__, UserError):
+            raise e.__cause__ from None
+        raise
+
+
+def _ok(check, *args) -> None:
+    """Run a module's own check (it raises ValueError, for library users) as a config check."""
+    try:
+        check(*args)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None

@@ -1,0 +1,258 @@
+"""One training run: validate the config, build data and model, fit, test the best checkpoint, write results.
+
+Every run writes into its own Hydra output dir, which one live process holds (mhalab.train.rundir):
+  metrics.json      status, final and best metrics, params, wall time, throughput, the resolved config,
+                    and one entry per attempt when the run was interrupted and resumed (mhalab.train.record)
+  logs/metrics.csv  Lightning's CSV log (train/loss per step, val/* per epoch, lr), continued across attempts
+  loss_curves.png   train and val loss and val acc, drawn from metrics.csv
+  checkpoints/      best (by val/acc), and last.ckpt (every epoch, every N steps, and on Ctrl-C / SIGTERM)
+Re-running a command into the dir of a run that was interrupted or killed resumes it from last.ckpt.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import socket
+import time
+import warnings
+from pathlib import Path
+
+import lightning as L
+import torch
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from lightning.pytorch.callbacks import ProgressBar
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from mhalab.errors import RunDirError, UserError
+from mhalab.train import checkpoint, record
+from mhalab.train.callbacks import GracefulStop, ResumeState
+from mhalab.train.config import instantiate, validate
+from mhalab.train.memory import peak_memory_mb, reset_peak_memory
+from mhalab.train.module import Classifier
+from mhalab.train.rundir import RunLock
+
+log = logging.getLogger("mhalab")
+RESUMABLE = ("interrupted", "dead")  # statuses whose run continues from last.ckpt when run again
+
+
+def _is_multirun() -> bool:
+    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+
+
+def _overrides() -> list[str]:
+    return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
+
+
+def launch_rank() -> int:
+    """This process's rank before Lightning starts: Lightning's DDP launcher re-runs train.py for ranks
+    1+ (LOCAL_RANK, NODE_RANK); torchrun and SLURM set RANK / SLURM_PROCID."""
+    if "RANK" in os.environ:
+        return int(os.environ["RANK"])
+    if "SLURM_PROCID" in os.environ and int(os.environ.get("SLURM_NTASKS", "1")) > 1:
+        return int(os.environ["SLURM_PROCID"])
+    return int(os.environ.get("NODE_RANK", "0")) + int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def run(cfg: DictConfig) -> float:
+    """Train and test one configuration. Returns the best val/acc (what sweepers optimise)."""
+    out = Path(cfg.paths.output_dir)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # tokenizers' threads + DataLoader workers
+    with warnings.catch_warnings():
+        # Lightning warns on every mid-epoch resume that the dataloader is "not resumable": ours is restored
+        # by the datamodule's state_dict (the sampler skips the batches already trained on; tests/test_data.py)
+        warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch")
+        if launch_rank() != 0:  # rank 0 holds the run dir, writes its record and decides whether to resume
+            resumed = ((record.read(out) or {}).get("attempts") or [{}])[-1].get("resumed_from")
+            _fit_and_test(cfg, out, {}, GracefulStop(checkpoint.last_checkpoint(out).parent), resumed)
+            return math.nan
+        try:
+            with RunLock(out):
+                return _run(cfg, out)
+        except RunDirError as e:
+            if not _is_multirun():
+                raise
+            log.error("member skipped: %s", e)  # another process runs it; the sweep goes on
+            return float("nan")
+
+
+def _run(cfg: DictConfig, out: Path) -> float:
+    previous = record.read_or_set_aside(out)
+    status = previous and record.status(out, previous)
+    if status == "running":
+        status = "dead"  # we hold the run dir's lock, so the process that wrote "running" is gone
+    if status == "finished":
+        # a sweep re-run into the same dir: this member is done; never overwrite it
+        log.info("%s already finished; skipping (delete it to re-run)", out)
+        return float(previous.get("best", {}).get("val/acc", float("nan")))
+    attempts = list(previous.get("attempts", [])) if previous else []
+    if attempts and attempts[-1].get("status") == "running":
+        attempts[-1]["status"] = "dead"  # its process is gone (we hold the lock): killed, never recorded
+    last = checkpoint.last_checkpoint(out)
+    if status in RESUMABLE and last.exists() and not cfg.get("ckpt_path"):
+        log.info("%s was %s; resuming from %s", out, status, last)
+        with open_dict(cfg):
+            cfg.ckpt_path = str(last)
+    try:
+        validate(cfg)  # cheap, before anything is written: a mistake costs nothing and loses nothing
+    except UserError as e:
+        if not _is_multirun():
+            raise
+        _write_failed(out, previous, attempts, cfg, e)  # the sweep goes on; its report names the reason
+        log.error("run failed: %s", e)
+        return float("nan")
+
+    ckpt_path = str(checkpoint.resolve(str(cfg.ckpt_path))) if cfg.get("ckpt_path") else None
+    attempt = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "pid": os.getpid(), "host": socket.gethostname(),
+               "resumed_from": ckpt_path, "from_step": checkpoint.meta(ckpt_path)["global_step"] if ckpt_path else 0,
+               "status": "running"}
+    attempts.append(attempt)
+    rec = {
+        "status": "running", "error": None, "overrides": _overrides(), "seed": int(cfg.seed),
+        "config": OmegaConf.to_container(cfg, resolve=True), "output_dir": str(out), "attempts": attempts,
+    }
+    record.write(out, rec)
+    t0 = time.time()
+    stop = GracefulStop(checkpoint.last_checkpoint(out).parent)
+    try:
+        trainer = _fit_and_test(cfg, out, rec, stop, ckpt_path)
+    except BaseException as e:  # SystemExit and KeyboardInterrupt too: the record must not say "running"
+        interrupted = isinstance(e, (KeyboardInterrupt, SystemExit))
+        ctrl_c = isinstance(e, KeyboardInterrupt) or stop.ctrl_c or _ctrl_c_seen(e)
+        how = "Ctrl-C" if ctrl_c else "SIGTERM" if isinstance(e, SIGTERMException) else type(e).__name__
+        reason = (f"interrupted ({how}); to continue it in place, run the same command with hydra.run.dir={out}"
+                  if interrupted else f"{type(e).__name__}: {e}".splitlines()[0])
+        attempt.update(status="interrupted" if interrupted else "failed", wall_time_s=time.time() - t0)
+        rec.update(status="interrupted" if interrupted else "failed", error=reason, **_totals(attempts))
+        record.write(out, rec)
+        if _is_multirun() and not interrupted:  # one failed member must not end the sweep
+            log.error("run failed: %s", rec["error"])
+            return float("nan")
+        if interrupted:
+            log.warning("%s", reason)
+            raise SystemExit(130 if ctrl_c else 143) from e  # 128 + the signal, as if it had killed us
+        raise
+    if trainer.is_global_zero:
+        attempt.update(status="finished", wall_time_s=time.time() - t0)
+        rec.update(status="finished", **_totals(attempts))
+        record.write(out, rec)
+        from mhalab.analysis.curves import loss_curves
+
+        if (out / "logs" / "metrics.csv").exists():
+            loss_curves(out / "logs" / "metrics.csv", out / "loss_curves.png")
+    return float(rec.get("best", {}).get("val/acc", float("nan")))
+
+
+def _ctrl_c_seen(e: BaseException) -> bool:
+    # Lightning turns a KeyboardInterrupt into sys.exit(1) after its own on_exception hooks
+    return isinstance(e, SystemExit) and isinstance(e.__context__, KeyboardInterrupt)
+
+
+def _totals(attempts: list[dict]) -> dict:
+    """Times summed over every attempt of the run (a resumed run's cost is all of it)."""
+    return {"wall_time_s": sum(a.get("wall_time_s", 0.0) for a in attempts),
+            "fit_time_s": sum(a.get("fit_time_s", 0.0) for a in attempts), "attempts": attempts}
+
+
+def _write_failed(out: Path, previous: dict | None, attempts: list, cfg: DictConfig, e: Exception) -> None:
+    rec = dict(previous or {}, status="failed", error=str(e), overrides=_overrides(), output_dir=str(out),
+               attempts=attempts)
+    rec.setdefault("config", OmegaConf.to_container(cfg, resolve=False))
+    record.write(out, rec)
+
+
+def build(cfg: DictConfig) -> tuple[L.LightningDataModule, Classifier]:
+    """Validate the config, then make the datamodule (data read, tokenizer ready) and the model."""
+    validate(cfg)  # cheap checks before any data is read
+    if cfg.get("num_threads"):
+        torch.set_num_threads(int(cfg.num_threads))
+    L.seed_everything(int(cfg.seed), workers=True)
+    dm = instantiate(cfg.data)  # the datamodule checks its arguments here, before reading anything
+    dm.prepare_data()
+    dm.setup("fit")
+    module = Classifier(
+        model=OmegaConf.to_container(cfg.model, resolve=True), vocab_size=dm.vocab_size,
+        num_classes=dm.num_classes, pad_id=dm.pad_id, compile=bool(cfg.compile),
+        **OmegaConf.to_container(cfg.optim, resolve=True),
+    )
+    # the datamodule's state_dict (tokenizer, label names, sampler position) is saved by Lightning
+    # under its class name; record where, with the data config, so a checkpoint is self-contained
+    module.extra_checkpoint = {
+        "datamodule_key": type(dm).__qualname__, "data": OmegaConf.to_container(cfg.data, resolve=True),
+    }
+    return dm, module
+
+
+def _fit_and_test(cfg: DictConfig, out: Path, rec: dict, stop: GracefulStop, ckpt_path: str | None = None
+                  ) -> L.Trainer:
+    if ckpt_path is None and cfg.get("ckpt_path"):
+        ckpt_path = str(checkpoint.resolve(str(cfg.ckpt_path)))
+    dm, module = build(cfg)
+    params = sum(p.numel() for p in module.parameters())
+
+    loggers = _loggers(cfg, ckpt_path)
+    callbacks = [instantiate(c) for c in (cfg.get("callbacks") or {}).values() if c is not None]
+    if not cfg.trainer.get("enable_progress_bar", True):  # Lightning refuses a bar callback then
+        callbacks = [c for c in callbacks if not isinstance(c, ProgressBar)]
+    # always on: an interrupted run saves last.ckpt at a batch boundary, and a resumed run continues exactly
+    callbacks += [stop, ResumeState()]
+    trainer = L.Trainer(**OmegaConf.to_container(cfg.trainer, resolve=True), logger=loggers,
+                        callbacks=callbacks, default_root_dir=str(out))
+    for lg in loggers:
+        if hasattr(lg, "experiment") and type(lg).__name__ == "WandbLogger" and trainer.is_global_zero:
+            module.extra_checkpoint["wandb_id"] = rec["wandb_id"] = lg.experiment.id
+
+    reset_peak_memory(trainer.strategy.root_device)
+    t_fit = time.time()
+    try:
+        trainer.fit(module, datamodule=dm, ckpt_path=ckpt_path, weights_only=True)
+    finally:
+        if rec.get("attempts"):
+            rec["attempts"][-1]["fit_time_s"] = time.time() - t_fit
+            rec["attempts"][-1]["global_step"] = trainer.global_step
+    fit_s = time.time() - t_fit
+    peak_mb, peak_kind = peak_memory_mb(trainer.strategy.root_device)
+    # counted on device over every attempt (the counters travel in the checkpoint); read before the best
+    # checkpoint is loaded for validate/test below, which would put its own counts back
+    real, pads = (int(x) for x in module.token_counts.cpu() * trainer.world_size)
+
+    final = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
+    ckpt_cb = trainer.checkpoint_callback
+    best = {"val/acc": float(ckpt_cb.best_model_score) if ckpt_cb and ckpt_cb.best_model_score is not None
+            else final.get("val/acc", float("nan"))}
+    if cfg.get("test_after_fit", True) and not trainer.fast_dev_run:
+        best_path = ckpt_cb.best_model_path if ckpt_cb and ckpt_cb.best_model_path else None
+        # the best checkpoint by val/acc, evaluated once on val (for its val/loss) and once on test
+        val_res = trainer.validate(module, datamodule=dm, ckpt_path=best_path, verbose=False, weights_only=True)[0]
+        best.update({k: float(v) for k, v in val_res.items()})
+        test_res = trainer.test(module, datamodule=dm, ckpt_path=best_path, verbose=False, weights_only=True)[0]
+        final.update({k: float(v) for k, v in test_res.items()})
+        best["checkpoint"] = best_path
+    fit_total = sum(a.get("fit_time_s", 0.0) for a in rec.get("attempts", [])) or fit_s
+    rec.update(
+        params=params, epochs=trainer.current_epoch, global_step=trainer.global_step, best=best, final=final,
+        train_tokens=real, peak_mem_mb=peak_mb, peak_mem_kind=peak_kind,
+        tokens_per_s=real / fit_total if fit_total > 0 else math.nan,  # real (non-pad) tokens per second of fit()
+        padding_fraction=pads / max(1, real + pads),
+        device=str(trainer.strategy.root_device),
+        device_name=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+    )
+    return trainer
+
+
+def _loggers(cfg: DictConfig, ckpt_path: str | None) -> list:
+    lcfg = OmegaConf.to_container(cfg.get("logger") or {}, resolve=True)
+    for c in lcfg.values():  # the CSV log keeps the rows before the step this attempt resumes from
+        if c and c.get("_target_", "").endswith("ContinuedCSVLogger"):
+            c["resume_step"] = checkpoint.meta(ckpt_path)["global_step"] if ckpt_path else 0
+    if "wandb" in lcfg:
+        from mhalab.train.loggers import prepare_wandb
+
+        lcfg["wandb"] = prepare_wandb(lcfg["wandb"], ckpt_path, _is_multirun())
+    return [instantiate(c) for c in lcfg.values() if c is not None]
+
+
+__all__ = ["UserError", "build", "launch_rank", "run"]
