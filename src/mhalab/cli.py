@@ -55,3 +55,30 @@ def train() -> None:
         return run(cfg)
 
     main()
+
+
+def _hydra_command(config_name: str, command: str) -> None:
+    """Compose conf/<config_name>.yaml with the command line's key=value overrides, then run
+    mhalab.train.<command>.command(cfg). Those configs write nothing of Hydra's (no run dir, no log)."""
+    import importlib
+
+    import hydra
+
+    from mhalab.train import config
+
+    @hydra.main(version_base="1.3", config_path=str(config.CONF_DIR), config_name=config_name)
+    @one_line_errors
+    def main(cfg):
+        return importlib.import_module(f"mhalab.train.{command}").command(cfg)
+
+    main()
+
+
+def evaluate() -> None:
+    """mhalab-eval (and `python scripts/eval.py`): a checkpoint's metrics on one split (conf/eval.yaml)."""
+    _hydra_command("eval", "evaluate")
+
+
+def predict() -> None:
+    """mhalab-predict: one JSON line of label and class probabilities per input text (conf/predict.yaml)."""
+    _hydra_command("predict", "predict")

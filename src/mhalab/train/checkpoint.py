@@ -1,23 +1,32 @@
-"""Checkpoints: the one resolver of `ckpt_path`, safe loading, and the checks a resume needs.
+"""Checkpoints: the one resolver of `ckpt_path`, safe loading, the checks a resume needs, and the one
+loader of a trained model (`load_model`: module, tokenizer, label names, data config).
 
 `ckpt_path` is a .ckpt file, a run dir (its checkpoints/last.ckpt) or `last` (the newest
-outputs/**/checkpoints/last.ckpt). train.py, scripts/eval.py and the attention maps all resolve it
-here. Files are read with torch.load(weights_only=True), so a downloaded checkpoint cannot run code:
-ours hold only tensors, numbers, strings and containers (callbacks.ResumeState stores numpy's RNG
-state as a tensor for this reason).
+outputs/**/checkpoints/last.ckpt). Training, mhalab-eval, mhalab-predict and the attention maps all
+resolve and load it here. Files are read with torch.load(weights_only=True), so a downloaded checkpoint
+cannot run code: ours hold only tensors, numbers, strings and containers (callbacks.ResumeState stores
+numpy's RNG state as a tensor for this reason).
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 import pickle
 import re
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from mhalab.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+
+    from mhalab.train.module import Classifier
 
 LAST = "last.ckpt"
 CHECKPOINT_DIR = "checkpoints"
@@ -77,12 +86,16 @@ def meta(path: str | Path) -> dict:
     return _meta(str(path), Path(path).stat().st_mtime_ns)  # a rewritten file is read again
 
 
-@functools.lru_cache(maxsize=4)
-def _meta(path: str, mtime_ns: int) -> dict:
-    ckpt = load(path)
+def _check_ours(ckpt, path) -> None:
     if not isinstance(ckpt, dict) or "mhalab" not in ckpt or "hyper_parameters" not in ckpt:
         raise CheckpointError(f"ckpt_path={path} was not written by mhalab's train.py (no 'mhalab' entry); "
                               f"pass a checkpoint from a run's {CHECKPOINT_DIR}/ dir.")
+
+
+@functools.lru_cache(maxsize=4)
+def _meta(path: str, mtime_ns: int) -> dict:
+    ckpt = load(path)
+    _check_ours(ckpt, path)
     return {"hyper_parameters": ckpt["hyper_parameters"], "mhalab": ckpt["mhalab"],
             "global_step": int(ckpt.get("global_step", 0))}
 
@@ -113,3 +126,69 @@ def check_fits(path: str | Path, model: dict, data: dict) -> None:
                 f"data.{key}={data[key]}: its embeddings belong to another tokenizer; resume with "
                 f"data.{key}={saved_data[key]}."
             )
+
+
+# ------------------------------------------------------------------------------- a trained model, loaded
+
+@dataclass
+class Loaded:
+    """What a checkpoint holds for using its model: nothing else is needed to evaluate or predict."""
+
+    path: Path  # the resolved .ckpt file
+    module: Classifier  # in eval mode; module.model is the plain SequenceClassifier
+    tokenizer: Tokenizer
+    label_names: list[str] | None  # class i's name, or None when the checkpoint has none
+    data: dict  # the data config the model was trained with (checkpoint["mhalab"]["data"])
+    max_len: int  # texts are truncated to this many ids, as in training
+
+    def label(self, i: int) -> str:
+        return self.label_names[i] if self.label_names and i < len(self.label_names) else str(i)
+
+
+def tokenizer_and_labels(ckpt: dict) -> tuple[str | None, list[str] | None, dict]:
+    """(tokenizer JSON, label names, the datamodule's state) from a train.py checkpoint.
+
+    Lightning saves the datamodule's state under its class name, which checkpoint["mhalab"]["datamodule_key"]
+    names; earlier versions wrote the tokenizer into checkpoint["mhalab"] itself; else any saved state
+    that holds a tokenizer."""
+    extra = ckpt.get("mhalab") or {}
+    places = [ckpt.get(extra.get("datamodule_key"), {}), extra]
+    places += [v for v in ckpt.values() if isinstance(v, dict) and "tokenizer" in v]
+    for place in places:
+        if isinstance(place, dict) and place.get("tokenizer"):
+            names = place.get("label_names") or extra.get("label_names")
+            return place["tokenizer"], [str(n) for n in names] if names else None, place
+    return None, None, {}
+
+
+def load_model(ckpt_path: str | Path, device: str = "cpu") -> Loaded:
+    """The model of a checkpoint (a .ckpt, a run dir or `last`) in eval mode, with its tokenizer, label names
+    and data config. The file is read once, safely (weights_only)."""
+    from mhalab.data.tokenizer import load_tokenizer
+    from mhalab.train.module import Classifier
+
+    if str(device).startswith("cuda") and not torch.cuda.is_available():
+        from mhalab.errors import ConfigError
+
+        raise ConfigError(f"device={device} but torch sees no CUDA device here; use device=cpu.")
+    path = resolve(ckpt_path)
+    ckpt = load(path)
+    _check_ours(ckpt, path)
+    tokenizer, names, dm_state = tokenizer_and_labels(ckpt)
+    if not tokenizer:
+        raise CheckpointError(f"ckpt_path={path} carries no tokenizer (neither the datamodule's state nor "
+                              f"checkpoint['mhalab']); it was not written by train.py, so text cannot be turned "
+                              f"into the model's ids: pass a checkpoint from a run's {CHECKPOINT_DIR}/ dir.")
+    accepted = inspect.signature(Classifier).parameters
+    hparams = {k: v for k, v in ckpt["hyper_parameters"].items() if k in accepted}
+    module = Classifier(**dict(hparams, compile=False))  # compiling pays off in training, not for one pass
+    module.load_state_dict(ckpt["state_dict"])
+    module.on_load_checkpoint(ckpt)  # its extras and token counts, as Lightning's own loading does
+    module.to(device).eval()
+    extra = ckpt["mhalab"]
+    data = dict(extra.get("data") or {})
+    max_len = dm_state.get("max_len") or data.get("max_len") or hparams.get("model", {}).get("max_len")
+    if not max_len:
+        raise CheckpointError(f"ckpt_path={path} records no max_len (no data config, no model.max_len); pass a "
+                              f"checkpoint from a run's {CHECKPOINT_DIR}/ dir.")
+    return Loaded(path, module, load_tokenizer(tokenizer), names, data, int(max_len))

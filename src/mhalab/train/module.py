@@ -37,11 +37,12 @@ class Classifier(L.LightningModule):
         warmup_ratio: float = 0.06,
         schedule: str = "cosine",
         compile: bool = False,
+        checkpoint_extras: dict | None = None,
     ):
         super().__init__()
         if schedule not in SCHEDULES:
             raise ValueError(f"unknown optim.schedule '{schedule}'; choose one of {', '.join(SCHEDULES)}.")
-        self.save_hyperparameters()
+        self.save_hyperparameters(ignore=["checkpoint_extras"])  # the extras have their own entry, below
         self.model = SequenceClassifier(vocab_size=vocab_size, num_classes=num_classes, pad_id=pad_id, **model)
         if compile:
             # in place, so state_dict keys (and checkpoints) are the same with and without compile
@@ -54,7 +55,9 @@ class Classifier(L.LightningModule):
         self.test_metrics = metrics.clone(prefix="test/")
         self._t_last: float | None = None
         self.token_counts = torch.zeros(2, dtype=torch.long)  # (real tokens, pad tokens) trained on
-        self.extra_checkpoint: dict = {}  # tokenizer and data settings, written into every checkpoint
+        # what makes a checkpoint self-contained beside the weights (where the datamodule's state, with the
+        # tokenizer, is saved; the data config; the W&B run id), written as checkpoint["mhalab"]
+        self._extras: dict = dict(checkpoint_extras or {})
 
     def forward(self, input_ids, padding_mask=None):
         return self.model(input_ids, padding_mask)
@@ -120,12 +123,22 @@ class Classifier(L.LightningModule):
         sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
+    @property
+    def checkpoint_extras(self) -> dict:
+        """A copy of what every checkpoint of this module carries under checkpoint["mhalab"]."""
+        return dict(self._extras)
+
+    def remember(self, **extras) -> None:
+        """Write these entries into every checkpoint from now on (e.g. wandb_id, known once the logger starts)."""
+        self._extras.update(extras)
+
     def on_save_checkpoint(self, checkpoint):
         # the token counters travel too, so a resumed run counts every token once, over all its attempts
-        checkpoint["mhalab"] = dict(self.extra_checkpoint, token_counts=self.token_counts.tolist())
+        checkpoint["mhalab"] = dict(self._extras, token_counts=self.token_counts.tolist())
 
     def on_load_checkpoint(self, checkpoint):
-        self.extra_checkpoint = dict(checkpoint.get("mhalab", {}))
-        counts = self.extra_checkpoint.pop("token_counts", None)
+        saved = dict(checkpoint.get("mhalab", {}))
+        counts = saved.pop("token_counts", None)
+        self._extras = {**saved, **self._extras}  # what this process was built with wins (a resumed run)
         if counts is not None:
             self.token_counts = torch.tensor(counts, dtype=torch.long, device=self.token_counts.device)

@@ -173,16 +173,14 @@ def build(cfg: DictConfig) -> tuple[L.LightningDataModule, Classifier]:
     dm = instantiate(cfg.data)  # the datamodule checks its arguments here, before reading anything
     dm.prepare_data()
     dm.setup("fit")
-    module = Classifier(
-        model=OmegaConf.to_container(cfg.model, resolve=True), vocab_size=dm.vocab_size,
-        num_classes=dm.num_classes, pad_id=dm.pad_id, compile=bool(cfg.compile),
-        **OmegaConf.to_container(cfg.optim, resolve=True),
-    )
     # the datamodule's state_dict (tokenizer, label names, sampler position) is saved by Lightning
     # under its class name; record where, with the data config, so a checkpoint is self-contained
-    module.extra_checkpoint = {
-        "datamodule_key": type(dm).__qualname__, "data": OmegaConf.to_container(cfg.data, resolve=True),
-    }
+    extras = {"datamodule_key": type(dm).__qualname__, "data": OmegaConf.to_container(cfg.data, resolve=True)}
+    module = Classifier(
+        model=OmegaConf.to_container(cfg.model, resolve=True), vocab_size=dm.vocab_size,
+        num_classes=dm.num_classes, pad_id=dm.pad_id, compile=bool(cfg.compile), checkpoint_extras=extras,
+        **OmegaConf.to_container(cfg.optim, resolve=True),
+    )
     return dm, module
 
 
@@ -203,7 +201,8 @@ def _fit_and_test(cfg: DictConfig, out: Path, rec: dict, stop: GracefulStop, ckp
                         callbacks=callbacks, default_root_dir=str(out))
     for lg in loggers:
         if hasattr(lg, "experiment") and type(lg).__name__ == "WandbLogger" and trainer.is_global_zero:
-            module.extra_checkpoint["wandb_id"] = rec["wandb_id"] = lg.experiment.id
+            rec["wandb_id"] = lg.experiment.id
+            module.remember(wandb_id=lg.experiment.id)
 
     reset_peak_memory(trainer.strategy.root_device)
     t_fit = time.time()

@@ -1,0 +1,137 @@
+"""Predict the class of new texts with nothing but a checkpoint: mhalab-predict.
+
+    mhalab-predict ckpt_path=outputs/<run> input=texts.txt [output=preds.jsonl] [batch_size=64] [device=cpu]
+
+input: a .txt file (one text per line; blank lines are skipped), a .csv / .tsv / .jsonl file (one text per
+row or record, in a `text` column or field, or the one `text_column=` names), or `-` (stdin, one text per
+line). Writes one JSON line per text, in input order: {"text": ..., "label": <class name>, "probs":
+{name: p, ...}}. The texts are encoded with the checkpoint's own tokenizer and truncated to its max_len,
+as in training; batches are formed from length-sorted texts (little padding, so little wasted compute)
+and the predictions put back in input order.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from mhalab.data import Collate, encode_texts
+from mhalab.errors import ConfigError, DataError
+from mhalab.train import checkpoint
+
+DELIMITERS = {".csv": ",", ".tsv": "\t"}
+FORMATS = (".txt", ".csv", ".tsv", ".jsonl")
+WHAT = "a .txt file (one text per line), a .csv / .tsv / .jsonl file (a 'text' column), or input=- (stdin)"
+
+
+def read_texts(source: str, text_column: str | None = None) -> list[str]:
+    """The texts of `source` (a path, or - for stdin), in order. Raises DataError naming the fix."""
+    column = text_column or "text"
+    if source == "-":
+        texts = [line for line in sys.stdin.read().splitlines() if line.strip()]
+    else:
+        path = Path(source)
+        if not path.is_file():
+            raise DataError(f"input={source} does not exist; pass {WHAT}.")
+        suffix = path.suffix.lower()
+        if suffix not in FORMATS:
+            raise DataError(f"input={source}: unknown format '{suffix}'; pass {WHAT}.")
+        try:
+            with path.open(encoding="utf-8", newline="") as f:
+                if suffix == ".txt":
+                    texts = [line for line in f.read().splitlines() if line.strip()]
+                elif suffix == ".jsonl":
+                    texts = _jsonl_texts(f, source, column)
+                else:
+                    texts = _table_texts(f, source, column, DELIMITERS[suffix])
+        except UnicodeDecodeError as e:
+            raise DataError(f"input={source} is not valid UTF-8 (byte {e.object[e.start]:#04x} at offset "
+                            f"{e.start}); re-save it as UTF-8.") from None
+    if not texts:
+        raise DataError(f"input={source} holds no texts; pass {WHAT}.")
+    return texts
+
+
+def _table_texts(f, source: str, column: str, delimiter: str) -> list[str]:
+    reader = csv.DictReader(f, delimiter=delimiter)
+    if reader.fieldnames and column not in reader.fieldnames:
+        raise DataError(f"input={source} has no column '{column}' (its columns: {', '.join(reader.fieldnames)}); "
+                        f"pass text_column=<the column with the texts>.")
+    return [row[column] or "" for row in reader]
+
+
+def _jsonl_texts(f, source: str, field: str) -> list[str]:
+    texts = []
+    for n, line in enumerate(f, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"input={source}: line {n} is not JSON ({e.msg}); write one JSON object per line.") from None
+        if not isinstance(record, dict) or field not in record:
+            keys = ", ".join(record) if isinstance(record, dict) else type(record).__name__
+            raise DataError(f"input={source}: line {n} has no field '{field}' (it has: {keys}); "
+                            f"pass text_column=<the field with the texts>.")
+        texts.append(str(record[field]))
+    return texts
+
+
+@torch.no_grad()
+def predict(loaded: checkpoint.Loaded, texts: Sequence[str], batch_size: int = 64,
+            advance: Callable[[int], None] | None = None) -> list[dict]:
+    """{"text", "label", "probs"} per text, in the order of `texts`. `advance(n)` is called per batch."""
+    model = loaded.module.model  # the plain SequenceClassifier, in eval mode
+    device = next(model.parameters()).device
+    ids = encode_texts(loaded.tokenizer, texts, loaded.max_len)
+    order = sorted(range(len(ids)), key=lambda i: len(ids[i]))  # similar lengths share a batch
+    collate = Collate(model.pad_id)
+    probs: list[list[float]] = [[] for _ in ids]
+    for start in range(0, len(order), batch_size):
+        rows = order[start : start + batch_size]
+        batch = collate([(torch.tensor(ids[i]), 0) for i in rows])
+        logits = model(batch["input_ids"].to(device), batch["padding_mask"].to(device))  # (B, C)
+        for i, p in zip(rows, logits.float().softmax(-1).cpu().tolist()):
+            probs[i] = p  # back to the input's order
+        if advance is not None:
+            advance(len(rows))
+    names = [loaded.label(c) for c in range(len(probs[0]))]
+    return [{"text": t, "label": names[max(range(len(p)), key=p.__getitem__)], "probs": dict(zip(names, p))}
+            for t, p in zip(texts, probs)]
+
+
+def command(cfg: DictConfig) -> None:
+    """mhalab-predict: read the input, predict in batches (a progress bar on stderr), write JSON lines."""
+    for key in ("ckpt_path", "input"):
+        if OmegaConf.is_missing(cfg, key):
+            raise ConfigError(f"{key} is required: mhalab-predict ckpt_path=<a .ckpt file or a run dir> "
+                              f"input=<file.txt|.csv|.tsv|.jsonl, or - for stdin> [output=preds.jsonl].")
+    batch_size = cfg.batch_size
+    if isinstance(batch_size, bool) or not str(batch_size).isdigit() or int(batch_size) < 1:
+        raise ConfigError(f"batch_size={batch_size!r} must be a positive integer, e.g. 64.")
+    texts = read_texts(str(cfg.input), cfg.text_column)  # before the model: a bad input costs nothing
+    loaded = checkpoint.load_model(str(cfg.ckpt_path), str(cfg.device))
+    show = cfg.progress if cfg.progress is not None else cfg.output is not None or sys.stderr.isatty()
+    if show:
+        from rich.console import Console
+        from rich.progress import Progress
+
+        with Progress(console=Console(stderr=True)) as bar:
+            task = bar.add_task("predicting", total=len(texts))
+            results = predict(loaded, texts, int(batch_size), lambda n: bar.advance(task, n))
+    else:
+        results = predict(loaded, texts, int(batch_size))
+    lines = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in results)
+    if cfg.output is None:
+        sys.stdout.write(lines)
+        sys.stdout.flush()
+    else:
+        out = Path(cfg.output)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(lines, encoding="utf-8")
