@@ -1,8 +1,11 @@
 """Attention maps from a checkpoint: the hooked weights equal each layer's self_attn called directly,
-rows sum to 1, the PNG is written (library, CLI, callback); linformer / performer say they have none."""
+rows sum to 1, the PNG is written (library, CLI, callback); linformer / performer say they have none;
+importing the package picks no matplotlib backend and the figures are not pyplot's."""
 
 from __future__ import annotations
 
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -18,11 +21,12 @@ from mhalab.analysis.attention_maps import (
     attention_modules,
     attention_weights,
     encode_text,
-    load_checkpoint,
     main,
+    plot_attention_maps,
 )
 from mhalab.data import Collate, train_tokenizer
 from mhalab.errors import CheckpointError
+from mhalab.train.checkpoint import load_model
 from mhalab.train.module import Classifier
 
 REPO = Path(__file__).resolve().parents[1]
@@ -61,10 +65,9 @@ def make_checkpoint(path: Path, callbacks=(), legacy: bool = False, **model) -> 
     cfg = {"encoder": "custom", "dim": 16, "heads": 2, "layers": 2, "ff_dim": 32, "dropout": 0.1, "max_len": 32,
            "pos": "sinusoidal", "attention": "full"} | model
     torch.manual_seed(0)
-    module = Classifier(model=cfg, vocab_size=tok.get_vocab_size(), num_classes=2, pad_id=0)
-    module.extra_checkpoint = (
-        {"tokenizer": tok.to_str(), "label_names": ["neg", "pos"], "data": {"name": "toy"}} if legacy
-        else {"datamodule_key": "ToyDataModule", "data": {"name": "toy"}})
+    extras = ({"tokenizer": tok.to_str(), "label_names": ["neg", "pos"], "data": {"name": "toy"}} if legacy
+              else {"datamodule_key": "ToyDataModule", "data": {"name": "toy"}})
+    module = Classifier(model=cfg, vocab_size=tok.get_vocab_size(), num_classes=2, pad_id=0, checkpoint_extras=extras)
     trainer = L.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                         callbacks=list(callbacks), default_root_dir=str(path.parent))
@@ -113,6 +116,11 @@ CASES = {
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("ckpts")
     return {name: make_checkpoint(root / f"{name}.ckpt", **kw) for name, kw in CASES.items()}
+
+
+def load_checkpoint(path):
+    loaded = load_model(path)  # the one checkpoint loader
+    return loaded.module, loaded.tokenizer
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -165,16 +173,18 @@ def test_both_checkpoint_layouts_carry_the_tokenizer(checkpoints, tmp_path):
             with pytest.raises(CheckpointError, match="does not exist"):
                 load_checkpoint(path)
             continue
-        module, tok = load_checkpoint(path)
-        assert module.extra_checkpoint["label_names"] == ["neg", "pos"]
-        assert tok.encode(TEXT).ids == encode_text(module, tok, TEXT)[0][0].tolist()
+        loaded = load_model(path)
+        assert loaded.label_names == ["neg", "pos"] and not loaded.module.training
+        assert loaded.tokenizer.encode(TEXT).ids == encode_text(loaded.module, loaded.tokenizer, TEXT)[0][0].tolist()
 
 
 def test_main_writes_the_png(checkpoints, tmp_path, capsys):
     out = tmp_path / "maps" / "window.png"
     assert main([f"ckpt_path={checkpoints['window']}", f"text={TEXT}", f"out={out}"]) == 0
     assert out.read_bytes()[:8] == PNG_MAGIC and out.stat().st_size > 10_000
-    assert "2 layers x 2 heads" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "2 layers x 2 heads" in printed
+    assert re.search(r"prediction (neg|pos);", printed), printed  # the checkpoint's label names
     assert main([f"ckpt_path={checkpoints['window']}"]) == 2  # text missing
     assert main(["ckpt_path=/nonexistent.ckpt", "text=x"]) == 2
     assert main([f"ckpt_path={checkpoints['full']}", "text=x", "colour=red"]) == 2
@@ -226,3 +236,25 @@ def test_callback_saves_and_logs_maps(tmp_path):
                         callbacks=[cb2], default_root_dir=str(tmp_path / "lin"))
     trainer.fit(lin, _loader(tok), _loader(tok, n=8))
     assert cb2.saved == [] and cb2._disabled
+
+
+def test_figures_are_not_pyplots(checkpoints):
+    module, tok = load_checkpoint(checkpoints["full"])
+    ids, labels = encode_text(module, tok, TEXT)
+    fig = plot_attention_maps([w[0] for w in attention_weights(module, ids)[1]], labels)
+    # pyplot's figures get a manager (a window, a place in pyplot's figure list): these have none, so
+    # nothing has to close them and no backend was chosen for them
+    assert fig.canvas.manager is None and len(fig.axes) == 2 * 2
+
+
+def test_drawing_leaves_the_users_matplotlib_backend_alone(tmp_path):
+    # a user (or a notebook) picked the svg backend; importing and drawing must not switch it (the maps
+    # used to call matplotlib.use("Agg")), and the figure is drawn without pyplot
+    code = ("import matplotlib, torch, mhalab.analysis.attention_maps as m; "
+            f"fig = m.plot_attention_maps([torch.rand(1, 3, 3)], list('abc'), {str(tmp_path / 'x.png')!r}); "
+            "print(matplotlib.get_backend(), fig.canvas.manager)")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False,
+                         env={**os.environ, "MPLBACKEND": "svg"})
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.split() == ["svg", "None"]
+    assert (tmp_path / "x.png").read_bytes()[:8] == PNG_MAGIC
