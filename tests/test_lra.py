@@ -1,5 +1,5 @@
 """Long-sequence benchmark plumbing: stratified subsets, byte-level IMDB, the sweep presets, PerfMonitor
-(time per step, peak memory) and the LRA table."""
+(time per step, peak memory), the LRA table and its Hydra callback, the interleaved re-timing."""
 
 from __future__ import annotations
 
@@ -14,9 +14,11 @@ import torch
 from conftest import SHARED_DATA, compose_train
 from torch.utils.data import DataLoader
 
-from mhalab.analysis.lra import LRA_PAPER, PerfMonitor, write_lra_table
+from mhalab.analysis.lra import LRA_PAPER, collect_lra, write_lra_table
+from mhalab.analysis.sweep_callbacks import LRATableCallback
 from mhalab.data import Collate
 from mhalab.data.subset import SubsetDataModule
+from mhalab.train.callbacks import PerfMonitor
 from mhalab.train.memory import peak_memory_mb, reset_peak_memory
 from mhalab.train.module import Classifier
 
@@ -99,8 +101,9 @@ def test_sweep_presets_compose(tmp_path):
                 assert cfg.model.max_len == cfg.data.max_len == max_len and cfg.model.attention == kind
                 assert cfg.data.max_examples.train == {"listops": 1000, "imdb_bytes": 400}[data]
                 assert cfg.trainer.accelerator == "cpu" and cfg.data.batch_size == 16
-                assert cfg.callbacks.perf._target_ == "mhalab.analysis.lra.PerfMonitor"
+                assert cfg.callbacks.perf._target_ == "mhalab.train.callbacks.PerfMonitor"
         assert cfg.hydra.mode.name == "MULTIRUN"
+        assert cfg.hydra.callbacks.lra_table._target_ == "mhalab.analysis.sweep_callbacks.LRATableCallback"
         assert set(cfg.hydra.sweeper.params) == {"data", "model.attention"}
         for data, dim, steps, max_len in (("listops_lra", 512, 5000, 2048), ("imdb_bytes_lra", 256, 20000, 4096)):
             cfg = cfg_for("sweep=lra_gpu", f"data={data}")
@@ -139,14 +142,17 @@ def test_perf_monitor_writes_perf_json(tmp_path):
     assert trainer.callback_metrics["perf/step_ms"] > 0
 
 
-def _fake_member(root: Path, task: str, kind: str, acc: float, status: str = "finished") -> None:
+def _fake_member(root: Path, task: str, kind: str, acc: float, status: str = "finished",
+                 old_record: bool = False) -> None:
+    """old_record: metrics.json as written before `last_epoch` (the best checkpoint's test/* under `final`)."""
     d = root / f"data={task},model.attention={kind}"
     d.mkdir(parents=True)
+    scores = ({"final": {"val/acc": acc, "test/acc": acc}, "best": {"val/acc": acc + 0.01}} if old_record else
+              {"last_epoch": {"val/acc": acc}, "best": {"val/acc": acc + 0.01, "test/acc": acc}})
     metrics = {"status": status, "error": None if status == "finished" else "RuntimeError: boom", "seed": 0,
                "config": {"model": {"attention": kind, "dim": 64, "heads": 4, "layers": 2, "attention_options": {}},
                           "data": {"name": task, "max_len": 512, "batch_size": 32}},
-               "final": {"test/acc": acc}, "best": {"val/acc": acc + 0.01}, "global_step": 10, "fit_time_s": 20.0,
-               "tokens_per_s": 1000.0, "params": 1234}
+               **scores, "global_step": 10, "fit_time_s": 20.0, "tokens_per_s": 1000.0, "params": 1234}
     (d / "metrics.json").write_text(json.dumps(metrics))
     (d / "perf.json").write_text(json.dumps({"step_time_s": 0.5, "peak_mem_mb": 800.0, "peak_mem_kind": "cpu_peak_rss",
                                              "baseline_mem_mb": 500.0, "device_name": "cpu"}))
@@ -168,8 +174,35 @@ def test_lra_table_from_a_sweep_dir(tmp_path):
         write_lra_table(tmp_path / "empty")
 
 
+def test_lra_rows_read_old_and_new_records_alike(tmp_path):
+    """Records from before `last_epoch` (results/lra was made with them) give the same rows."""
+    for which, old in (("new", False), ("old", True)):
+        _fake_member(tmp_path / which, "listops", "full", 0.2, old_record=old)
+        _fake_member(tmp_path / which, "imdb_bytes", "window", 0.0, status="failed", old_record=old)
+    new, old = collect_lra(tmp_path / "new"), collect_lra(tmp_path / "old")
+    assert new == old
+    assert [(r["attention"], r["status"], r["test_acc"], r["val_acc"]) for r in new] == [
+        ("window", "failed", 0.0, 0.01), ("full", "finished", 0.2, 0.2 + 0.01)]
+
+
+def test_lra_row_of_an_unreadable_record_says_so(tmp_path):
+    _fake_member(tmp_path, "listops", "full", 0.2)
+    (tmp_path / "data=listops,model.attention=full" / "metrics.json").write_text('{"status": "fini')
+    (row,) = collect_lra(tmp_path)
+    assert row["status"] == "unreadable" and "not valid JSON" in row["error"]
+
+
+def test_lra_table_callback_writes_into_the_sweep_dir(tmp_path):
+    from omegaconf import OmegaConf
+
+    _fake_member(tmp_path, "listops", "full", 0.2)
+    LRATableCallback().on_multirun_end(OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path)}}}))
+    assert "| full | 20.00 | 500 | 800 |" in (tmp_path / "lra_table.md").read_text()
+    assert (tmp_path / "lra_results.png").read_bytes()[:4] == b"\x89PNG"
+
+
 def test_interleaved_retiming_covers_every_kind():
-    from mhalab.analysis.lra import interleaved_step_times, render_retiming
+    from mhalab.analysis.lra_timing import interleaved_step_times, render_retiming
 
     cfg = {"dim": 16, "heads": 2, "layers": 1, "ff_dim": 32, "max_len": 16,
            "attention_options": {"window": 4, "linformer_k": 4, "performer_features": 8}}

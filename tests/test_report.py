@@ -1,4 +1,5 @@
-"""Sweep report (mhalab.analysis.report, scripts/report.py, mhalab.train.hydra_callbacks) on synthetic multirun dirs."""
+"""Sweep report (mhalab.analysis.report, mhalab-report / scripts/report.py, mhalab.analysis.sweep_callbacks) on
+synthetic multirun dirs."""
 
 from __future__ import annotations
 
@@ -23,11 +24,15 @@ from mhalab.analysis.report import (
     NoMembersError,
     collect_results,
     compute_verdicts,
+    main,
+    setting_of,
     summarize_settings,
     training_val_rows,
     write_report,
 )
-from mhalab.train.hydra_callbacks import ReportCallback
+from mhalab.analysis.sweep_callbacks import ReportCallback
+from mhalab.train import record
+from mhalab.train.config import CONF_DIR
 
 REPO = Path(__file__).resolve().parents[1]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -58,19 +63,21 @@ def _lightning_csv(path: Path, val_acc: float, epochs: int = 3, steps_per_epoch:
 
 
 def _member(root: Path, name: str, heads: int, seed: int, val_acc: float, test_acc: float,
-            wall: float = 100.0) -> Path:
+            wall: float = 100.0, old_record: bool = False) -> Path:
+    """A finished member; old_record: metrics.json as written before `last_epoch` (test/* under `final`)."""
     d = root / name
     d.mkdir(parents=True)
-    record = {
+    test = {"test/acc": test_acc, "test/f1": 0.7, "test/loss": 0.47}
+    last_epoch = {"val/acc": val_acc - 0.01, "val/loss": 0.46}
+    metrics = ({"best": {"val/acc": val_acc, "val/loss": 0.45}, "final": last_epoch | test} if old_record else
+               {"best": {"val/acc": val_acc, "val/loss": 0.45} | test, "last_epoch": last_epoch})
+    rec = {
         "status": "finished", "error": None, "overrides": [f"heads={heads}", f"seed={seed}"], "seed": seed,
         "config": _config(heads, seed=seed), "params": 1000 * heads, "epochs": 3, "global_step": 30,
-        "wall_time_s": wall, "tokens_per_s": 2000.0 * heads, "padding_fraction": 0.05,
-        "best": {"val/acc": val_acc, "val/loss": 0.45}, "final": {"val/acc": val_acc - 0.01, "val/loss": 0.46,
-                                                                   "test/acc": test_acc, "test/f1": 0.7,
-                                                                   "test/loss": 0.47},
+        "wall_time_s": wall, "tokens_per_s": 2000.0 * heads, "padding_fraction": 0.05, **metrics,
         "device": "cpu", "output_dir": str(d),
     }
-    (d / "metrics.json").write_text(json.dumps(record))
+    (d / "metrics.json").write_text(json.dumps(rec))
     _lightning_csv(d / "metrics.csv", val_acc)
     return d
 
@@ -424,7 +431,7 @@ def test_callback_swallows_errors(tmp_path: Path, caplog: pytest.LogCaptureFixtu
     empty.mkdir()
     a_file = tmp_path / "file"
     a_file.write_text("x")
-    with caplog.at_level(logging.ERROR, logger="mhalab.train.hydra_callbacks"):
+    with caplog.at_level(logging.ERROR, logger="mhalab.analysis.sweep_callbacks"):
         cb.on_multirun_end(OmegaConf.create({"hydra": {"sweep": {"dir": str(empty)}}}))
         cb.on_multirun_end(OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path / "missing")}}}))
         cb.on_multirun_end(OmegaConf.create({"hydra": {"sweep": {"dir": str(a_file)}}}))
@@ -444,7 +451,7 @@ def test_callback_in_a_real_hydra_multirun(tmp_path: Path) -> None:
         "    subdir: ${hydra.job.override_dirname}\n"
         "  callbacks:\n"
         "    report:\n"
-        "      _target_: mhalab.train.hydra_callbacks.ReportCallback\n")
+        "      _target_: mhalab.analysis.sweep_callbacks.ReportCallback\n")
     (tmp_path / "app.py").write_text(
         "import json, hydra\n"
         "from pathlib import Path\n"
@@ -456,7 +463,7 @@ def test_callback_in_a_real_hydra_multirun(tmp_path: Path) -> None:
         "    acc = 0.7 + 0.01 * cfg.heads + 0.001 * cfg.seed\n"
         "    rec = {'status': 'finished', 'overrides': list(HydraConfig.get().overrides.task),\n"
         "           'seed': cfg.seed, 'config': {'heads': cfg.heads, 'dim': 128}, 'wall_time_s': 1.0,\n"
-        "           'best': {'val/acc': acc}, 'final': {'test/acc': acc}}\n"
+        "           'best': {'val/acc': acc, 'test/acc': acc}, 'last_epoch': {'val/acc': acc}}\n"
         "    (out / 'metrics.json').write_text(json.dumps(rec))\n"
         "if __name__ == '__main__':\n"
         "    main()\n")
@@ -495,7 +502,101 @@ def test_cli_fails_clearly_without_metrics(tmp_path: Path) -> None:
     (tmp_path / "0").mkdir()
     p = _cli(str(tmp_path))
     assert p.returncode == 2
+    assert p.stderr.startswith("error: ") and p.stderr.count("\n") == 1  # one line, no traceback
     assert "no metrics.json found" in p.stderr
     assert not (tmp_path / "report.md").exists()
     with pytest.raises(NoMembersError):
         write_report(tmp_path)
+
+
+def _main_error(capsys: pytest.CaptureFixture, *argv: str) -> str:
+    """mhalab-report's one `error:` line for argv (it must exit 2)."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(list(argv))
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1, err
+    return err
+
+
+def test_main_reads_key_value_options(sweep: Path, capsys: pytest.CaptureFixture) -> None:
+    assert main([str(sweep), "metric=val/loss"]) == 0
+    assert "best by val/loss:" in capsys.readouterr().out
+    assert "is a test metric" in _main_error(capsys, str(sweep), "metric=test/acc")
+    assert "unknown option '--metric'" in _main_error(capsys, str(sweep), "--metric", "val/loss")
+    assert "unknown option 'metrc=val/loss'" in _main_error(capsys, str(sweep), "metrc=val/loss")
+    assert "give one sweep dir, not 0" in _main_error(capsys, "metric=val/acc")
+    assert "is not a directory" in _main_error(capsys, str(sweep / "nowhere"))
+
+
+# --------------------------------------------------------------------------------------------------
+# metrics.json read through mhalab.train.record; the keys that do not change results
+
+
+def test_old_final_records_give_the_same_rows_as_new_ones(tmp_path: Path) -> None:
+    """Records from before `last_epoch` (the committed results were made with them) read the same."""
+    new = _member(tmp_path / "new", "0", 4, 0, val_acc=0.8, test_acc=0.7)
+    old = _member(tmp_path / "old", "0", 4, 0, val_acc=0.8, test_acc=0.7, old_record=True)
+    assert record.best(record.read(old)) == record.best(record.read(new)) == {
+        "val/acc": 0.8, "val/loss": 0.45, "test/acc": 0.7, "test/f1": 0.7, "test/loss": 0.47}
+    assert record.last_epoch(record.read(old)) == record.last_epoch(record.read(new)) == {
+        "val/acc": pytest.approx(0.79), "val/loss": 0.46}
+    rows = [collect_results(tmp_path / which).drop(columns="_csv") for which in ("new", "old")]
+    pd.testing.assert_frame_equal(rows[0], rows[1])
+    assert rows[0].loc[0, "test_acc"] == pytest.approx(0.7)  # the best checkpoint's
+    assert rows[0].loc[0, "final_val_acc"] == pytest.approx(0.79)  # the last epoch's
+
+
+def _conf_exclude_keys() -> list[str]:
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("train", return_hydra_config=True)
+    return list(cfg.hydra.job.config.override_dirname.exclude_keys)
+
+
+def test_setting_leaves_out_exactly_what_member_dir_names_leave_out() -> None:
+    """One list of the keys that do not change results: Hydra's override_dirname (the member dir names)
+    and the report's setting drop the same overrides (the setting drops the seed too)."""
+    from hydra._internal.config_loader_impl import get_overrides_dirname
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    exclude = _conf_exclude_keys()
+    assert {"sweep", "trainer", "logger", "paths.data_dir"} <= set(exclude)
+    overrides = [f"{k}=x" for k in exclude] + ["heads=8", "+model.pooling=cls", "trainer.max_steps=10", "seed=1"]
+    dirname = get_overrides_dirname(OverridesParser.create().parse_overrides(overrides), exclude, ",", "=")
+    kept = sorted(w for w in dirname.split(",") if w != "seed=1")
+    assert kept == ["+model.pooling=cls", "heads=8", "trainer.max_steps=10"]
+    assert sorted(setting_of(overrides).split(" ")) == kept
+
+
+def test_setting_uses_the_members_own_exclude_keys(tmp_path: Path) -> None:
+    """A member's .hydra/hydra.yaml (what its run used) decides; without one, conf/train.yaml's list."""
+    own = _member(tmp_path / "mr", "a", 4, 0, 0.8, 0.7)
+    (own / ".hydra").mkdir()
+    (own / ".hydra" / "hydra.yaml").write_text(
+        "hydra:\n  job:\n    config:\n      override_dirname:\n        exclude_keys: [heads]\n")
+    _member(tmp_path / "mr", "b", 4, 0, 0.8, 0.7)
+    df = collect_results(tmp_path / "mr").set_index("member")
+    assert df.loc["a", "setting"] == "(default)"  # heads=4 left out by its own list, seed always
+    assert df.loc["b", "setting"] == "heads=4"
+
+
+def test_analysis_leaves_matplotlib_global_state_alone(tmp_path: Path) -> None:
+    """Importing the analysis modules and drawing with them picks no backend and starts no pyplot."""
+    _build_sweep(tmp_path / "mr")
+    _lightning_csv(tmp_path / "metrics.csv", 0.8)
+    code = (
+        "import sys, matplotlib\n"
+        "from mhalab.analysis import curves, lra, report\n"
+        f"report.write_report({str(tmp_path / 'mr')!r})\n"
+        f"curves.loss_curves({str(tmp_path / 'metrics.csv')!r}, {str(tmp_path / 'curves.png')!r})\n"
+        f"lra.plot_lra([], {str(tmp_path / 'lra.png')!r})\n"
+        "print(matplotlib.rcParams._get_backend_or_none(), 'matplotlib.pyplot' in sys.modules)\n")
+    env = {k: v for k, v in os.environ.items() if k != "MPLBACKEND"}
+    p = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120,
+                       env=env, cwd=tmp_path)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.split() == ["None", "False"]
+    assert (tmp_path / "curves.png").read_bytes()[:8] == PNG_MAGIC
+    assert (tmp_path / "lra.png").read_bytes()[:8] == PNG_MAGIC

@@ -1,14 +1,12 @@
-"""Plots drawn from a run's own logs (Lightning's metrics.csv)."""
+"""Plots drawn from a run's own logs (Lightning's metrics.csv), on matplotlib Figure objects: no pyplot
+state and no backend switch, so importing or calling this changes nothing global."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
 import pandas as pd
+from matplotlib.figure import Figure
 
 
 def read_log(metrics_csv: str | Path) -> pd.DataFrame:
@@ -18,7 +16,8 @@ def read_log(metrics_csv: str | Path) -> pd.DataFrame:
 
 def loss_curves(metrics_csv: str | Path, out_png: str | Path) -> Path:
     df = read_log(metrics_csv)
-    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(11, 4))
+    fig = Figure(figsize=(11, 4))
+    ax_loss, ax_acc = fig.subplots(1, 2)
     if "train/loss" in df:
         tr = df.dropna(subset=["train/loss"])
         ax_loss.plot(tr["step"], tr["train/loss"], alpha=0.35, lw=0.8, label="train/loss (per step)")
@@ -36,5 +35,4 @@ def loss_curves(metrics_csv: str | Path, out_png: str | Path) -> Path:
     ax_acc.set(xlabel="step", ylabel="accuracy", title="validation accuracy")
     fig.tight_layout()
     fig.savefig(out_png, dpi=110)
-    plt.close(fig)
     return Path(out_png)

@@ -1,18 +1,26 @@
-"""Lightning callbacks for runs that survive interruption and resume exactly."""
+"""Lightning callbacks: runs that survive interruption and resume exactly; PerfMonitor, a fit's time per step
+and peak memory (on in sweep=lra / sweep=lra_gpu)."""
 
 from __future__ import annotations
 
+import json
 import logging
+import math
 import os
 import random
 import signal
+import statistics
 import threading
+import time
 from pathlib import Path
+from typing import Any
 
 import lightning as L
 import numpy as np
 import torch
 from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+from mhalab.train.memory import current_rss_mb, peak_memory_mb, reset_peak_memory
 
 log = logging.getLogger("mhalab")
 
@@ -161,3 +169,78 @@ def _signal(name: str) -> int:
     if name not in ("SIGTERM", "SIGINT", "SIGKILL"):
         raise ValueError(f"signal={name!r}: choose SIGTERM, SIGINT or SIGKILL.")
     return getattr(signal, name)
+
+
+class PerfMonitor(L.Callback):
+    """Median / mean training step time and peak memory of the fit, into perf.json and the loggers.
+
+    Times every training step (forward + backward + optimizer; CUDA-synchronised; the first `warmup`
+    steps are left out) and records peak memory over the fit (mhalab.train.memory: CUDA's allocator
+    peak, or on CPU the process's peak resident set, reset at fit start so sweep members that share one
+    process are measured separately). Logs perf/step_ms and perf/peak_mem_mb; writes `perf.json` into
+    the run's output dir (read by mhalab.analysis.lra's table).
+    """
+
+    def __init__(self, warmup: int = 3, filename: str = "perf.json"):
+        self.warmup, self.filename = warmup, filename
+        self._all_times: list[float] = []
+        self._t0: float | None = None
+        self._reset_ok = False
+        self.baseline_mb = math.nan
+        self.result: dict[str, Any] = {}
+
+    def _sync(self, pl_module) -> None:
+        if pl_module.device.type == "cuda":
+            torch.cuda.synchronize(pl_module.device)
+
+    def on_fit_start(self, trainer, pl_module):
+        self._all_times = []
+        self.baseline_mb = (torch.cuda.memory_allocated(pl_module.device) / 2**20 if pl_module.device.type == "cuda"
+                            else current_rss_mb())
+        self._reset_ok = reset_peak_memory(pl_module.device)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self._sync(pl_module)
+        self._t0 = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if self._t0 is None:
+            return
+        self._sync(pl_module)
+        self._all_times.append(time.perf_counter() - self._t0)
+        self._t0 = None
+
+    @property
+    def step_times(self) -> list[float]:
+        """Step times after the warm-up (for a run shorter than that: all but the first, or all)."""
+        t = self._all_times
+        return t[self.warmup:] if len(t) > self.warmup else (t[1:] or t)
+
+    def summary(self, pl_module) -> dict[str, Any]:
+        peak, kind = peak_memory_mb(pl_module.device)
+        if not self._reset_ok and kind == "cpu_peak_rss":
+            kind = "cpu_lifetime_peak_rss"
+        times = self.step_times
+        return {
+            "step_time_s": statistics.median(times) if times else math.nan,
+            "step_time_mean_s": statistics.fmean(times) if times else math.nan,
+            "steps_timed": len(times), "warmup_steps": self.warmup,
+            "peak_mem_mb": peak, "peak_mem_kind": kind, "baseline_mem_mb": self.baseline_mb,
+            "device": str(pl_module.device),
+            "device_name": torch.cuda.get_device_name(pl_module.device) if pl_module.device.type == "cuda" else "cpu",
+            "torch_threads": torch.get_num_threads(),
+        }
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        s = self.summary(pl_module)
+        if not math.isnan(s["step_time_s"]):
+            pl_module.log("perf/step_ms", 1000 * s["step_time_s"])
+        pl_module.log("perf/peak_mem_mb", s["peak_mem_mb"])
+
+    def on_fit_end(self, trainer, pl_module):
+        self.result = self.summary(pl_module)
+        if trainer.is_global_zero:
+            path = Path(trainer.default_root_dir) / self.filename
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(self.result, indent=2))
+            os.replace(tmp, path)

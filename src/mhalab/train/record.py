@@ -3,6 +3,16 @@
 A record says "running" while its process lives. A process that was killed (SIGKILL, OOM, a lost
 machine) never gets to say otherwise, so a reader asks the run dir's lock (mhalab.train.rundir): "running"
 without a live holder is "dead". Each attempt of a resumed run is kept in `attempts`.
+
+The metrics of a finished run (mhalab.train.run writes them):
+
+* `best`: the best checkpoint (by val/acc): its val/* (evaluated again after fit), its test/* and
+  `checkpoint`, its path. With test_after_fit=false, only val/acc (the checkpoint callback's score).
+* `last_epoch`: the val/* of the last validation during fit (what the run ended at, not what it kept).
+
+Records written before this split hold `final` instead: the last epoch's val/* mixed with the best
+checkpoint's test/*. `best()` and `last_epoch()` read both kinds; every reader goes through them (and
+through `fields()` for the flat keys), so the record's key names are spelled here only.
 """
 
 from __future__ import annotations
@@ -11,12 +21,17 @@ import json
 import logging
 import time
 from pathlib import Path
+from typing import Any
 
 from mhalab.train import rundir
 
 log = logging.getLogger("mhalab")
 
 FILE = "metrics.json"
+
+# the flat keys tables read (mhalab.analysis.report, mhalab.analysis.lra); absent ones read as None
+FIELDS = ("error", "overrides", "seed", "config", "params", "epochs", "global_step", "wall_time_s", "fit_time_s",
+          "tokens_per_s", "padding_fraction", "peak_mem_mb", "device")
 
 
 def path(run_dir: str | Path) -> Path:
@@ -55,9 +70,39 @@ def read_or_set_aside(run_dir: str | Path) -> dict | None:
         return None
 
 
+def _dict(record: dict, key: str) -> dict:
+    value = record.get(key)
+    return value if isinstance(value, dict) else {}
+
+
+def best(record: dict) -> dict[str, Any]:
+    """The best checkpoint's metrics: val/*, test/* and its `checkpoint` path (older records: test/* from `final`)."""
+    out = dict(_dict(record, "best"))
+    for k, v in _dict(record, "final").items():
+        if k.startswith("test/"):
+            out.setdefault(k, v)
+    return out
+
+
+def last_epoch(record: dict) -> dict[str, Any]:
+    """The last validation's val/* during fit (older records: the val/* of `final`)."""
+    if "last_epoch" in record:
+        return dict(_dict(record, "last_epoch"))
+    return {k: v for k, v in _dict(record, "final").items() if k.startswith("val/")}
+
+
 def status(run_dir: str | Path, record: dict) -> str:
     """The recorded status, except that "running" without a live process is "dead"."""
-    s = str(record.get("status") or ("finished" if record.get("final") else "unknown"))
+    ended = record.get("last_epoch") or record.get("final")  # written at the end of fit
+    s = str(record.get("status") or ("finished" if ended else "unknown"))
     if s == "running" and not rundir.is_live(run_dir):
         return "dead"
     return s
+
+
+def fields(run_dir: str | Path, record: dict) -> dict[str, Any]:
+    """What a results table reads from a record: FIELDS (None when absent), the status to believe, and
+    the metrics of the best checkpoint (`best`) and of the last epoch (`last_epoch`)."""
+    out = {k: record.get(k) for k in FIELDS}
+    out.update(status=status(run_dir, record), best=best(record), last_epoch=last_epoch(record))
+    return out

@@ -1,0 +1,167 @@
+"""Sweep report: turn a Hydra multirun directory into tables, plots and verdicts.
+
+``write_report(multirun_dir, metric="val/acc")`` (or ``mhalab-report <sweep dir> [metric=val/acc]``)
+writes into the multirun directory:
+
+* ``results.csv`` -- one row per member (member dir, overrides, setting = overrides minus ``seed``,
+  seed, params, best val acc, test acc, epochs, wall time, tokens/s, status, error, then extras).
+* ``report.md`` -- scale measured, per-setting mean +- std over seeds, best setting, verdicts on the
+  article's claims, failed members with reasons, links to the plots.
+* ``val_loss_curves.png``, ``acc_vs_swept.png``, ``acc_vs_wall_time.png``.
+
+The rules live with the code that applies them: which directories are members and what a setting is
+(collect.py), the selection and verdict rules (stats.py), the claims (verdicts.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+import pandas as pd
+
+from mhalab.analysis.report.collect import RESULT_COLUMNS, NoMembersError, collect_results, setting_of
+from mhalab.analysis.report.plots import (
+    PLOT_ACC_VS_SWEPT,
+    PLOT_ACC_VS_WALL,
+    PLOT_VAL_LOSS,
+    plot_acc_vs_swept,
+    plot_acc_vs_wall_time,
+    plot_val_loss_curves,
+    training_val_rows,
+)
+from mhalab.analysis.report.render import REPORT_MD, RESULTS_CSV, render_markdown
+from mhalab.analysis.report.stats import (
+    DEFAULT_METRIC,
+    INCONCLUSIVE,
+    NOT_COVERED,
+    NOT_SUPPORTED,
+    SUPPORTED,
+    summarize_settings,
+    valid_mask,
+)
+from mhalab.analysis.report.verdicts import compute_verdicts
+from mhalab.cli import one_line_errors
+from mhalab.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+__all__ = ["DEFAULT_METRIC", "INCONCLUSIVE", "NOT_COVERED", "NOT_SUPPORTED", "SUPPORTED", "NoMembersError",
+           "collect_results", "compute_verdicts", "main", "setting_of", "summarize_settings",
+           "training_val_rows", "write_report"]
+
+INT_COLUMNS = ("seed", "params", "epochs", "global_step", "best_epoch", "dim", "heads", "layers", "ff_dim",
+               "batch_size", "max_epochs", "max_len")
+
+
+def _for_csv(df: pd.DataFrame) -> pd.DataFrame:
+    """Integral columns as nullable ints (128, not 128.0)."""
+    df = df.copy()
+    for c in INT_COLUMNS:
+        col = pd.to_numeric(df[c], errors="coerce")
+        if col.notna().any() and (col.dropna() % 1 == 0).all() and col.notna().sum() == df[c].notna().sum():
+            df[c] = col.astype("Int64")
+    return df
+
+
+def write_report(multirun_dir: str | Path, metric: str = DEFAULT_METRIC) -> dict:
+    """Write results.csv, report.md and the plots into multirun_dir; return paths and verdicts.
+
+    Raises NoMembersError when no metrics.json is found, ConfigError (a ValueError) for a test metric.
+    """
+    if metric.startswith(("test/", "test_")):
+        raise ConfigError(f"metric={metric} is a test metric, and selecting by one would leak the test set "
+                          "into the choice: give a validation metric (metric=val/acc or metric=val/loss)")
+    root = Path(multirun_dir).resolve()
+    df = collect_results(root, metric)
+    summary = summarize_settings(df, metric)
+    verdicts = compute_verdicts(df, metric)
+
+    results_csv = root / RESULTS_CSV
+    _for_csv(df[RESULT_COLUMNS]).to_csv(results_csv, index=False)
+
+    plots: dict[str, Path] = {}
+    for key, fname, fn in (
+        ("val_loss", PLOT_VAL_LOSS, lambda p: plot_val_loss_curves(df, p)),
+        ("acc_vs_swept", PLOT_ACC_VS_SWEPT, lambda p: plot_acc_vs_swept(df, summary, p)),
+        ("acc_vs_wall_time", PLOT_ACC_VS_WALL, lambda p: plot_acc_vs_wall_time(df, p)),
+    ):
+        try:
+            plots[key] = fn(root / fname)
+        except Exception:
+            log.exception("plot %s failed", fname)
+
+    report_md = root / REPORT_MD
+    report_md.write_text(render_markdown(df, summary, verdicts, metric, root, plots))
+
+    ranked = summary[summary["n"] > 0] if not summary.empty else summary
+    best = None
+    if not ranked.empty:
+        b = ranked.iloc[0]
+        best = {"setting": b["setting"], "n": int(b["n"]), "mean": float(b["monitored_mean"]),
+                "std": float(b["monitored_std"]), "test_acc_mean": float(b["test_acc_mean"])}
+    ok = valid_mask(df)
+    return {
+        "multirun_dir": root,
+        "metric": metric,
+        "results_csv": results_csv,
+        "report_md": report_md,
+        "plots": plots,
+        "n_members": len(df),
+        "n_finished": int(ok.sum()),
+        "failed": [{k: (v if isinstance(v, str) else None) for k, v in rec.items()}
+                   for rec in df.loc[~ok, ["member", "status", "error"]].to_dict("records")],
+        "best_setting": best,
+        "summary": summary,
+        "verdicts": [v.to_dict() for v in verdicts],
+        "verdict_by_claim": {v.key: v.verdict for v in verdicts},
+    }
+
+
+USAGE = "usage: mhalab-report <sweep dir> [metric=val/acc]"
+OPTIONS = {"metric": DEFAULT_METRIC}  # key=value options and their defaults
+
+
+def _parse_args(argv: list[str]) -> tuple[Path, dict[str, str]]:
+    """`<dir> [key=value ...]`, Hydra's style; a mistake is a ConfigError naming it and the fix."""
+    dirs, opts = [], dict(OPTIONS)
+    for arg in argv:
+        key, eq, value = arg.partition("=")
+        if arg.startswith("-"):
+            raise ConfigError(f"unknown option '{arg}': options are key=value, e.g. "
+                              f"{key.lstrip('-')}=... ({USAGE})")
+        if not eq:
+            dirs.append(arg)
+        elif key in ("dir", "multirun_dir"):
+            dirs.append(value)
+        elif key in opts:
+            opts[key] = value
+        else:
+            raise ConfigError(f"unknown option '{arg}': the options are {', '.join(f'{k}=' for k in OPTIONS)} "
+                              f"({USAGE})")
+    if len(dirs) != 1:
+        raise ConfigError(f"give one sweep dir, not {len(dirs)} ({USAGE})")
+    return Path(dirs[0]), opts
+
+
+@one_line_errors
+def main(argv: list[str] | None = None) -> int:
+    """mhalab-report: write the report of a sweep dir; `error: ...` and exit 2 for a missing or empty dir."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in ("-h", "--help"):
+        print(f"{USAGE}\n\n{__doc__.strip()}")
+        return 0
+    sweep_dir, opts = _parse_args(argv)
+    res = write_report(sweep_dir, metric=opts["metric"])
+    print(f"members: {res['n_members']} ({res['n_finished']} finished, {len(res['failed'])} failed or incomplete)")
+    best = res["best_setting"]
+    if best:
+        print(f"best by {res['metric']}: {best['setting']} (mean {best['mean']:.4f} over {best['n']} seed(s))")
+    for v in res["verdicts"]:
+        print(f"  {v['claim']}: {v['verdict']}")
+    print(f"wrote {res['results_csv']}")
+    print(f"wrote {res['report_md']}")
+    for path in res["plots"].values():
+        print(f"wrote {path}")
+    return 0

@@ -1,0 +1,273 @@
+"""Find a sweep's members and read each into one row of the results table.
+
+A multirun directory holds one member directory per job (``<multirun>/<job_num>/`` or any custom
+sub-directory); a member is any directory below it that contains a ``metrics.json`` written by the
+training run (searched recursively). Hydra job directories (they hold ``.hydra/config.yaml``) with no
+``metrics.json`` anywhere inside are reported as ``missing`` members (the job died before writing it).
+
+A member's *setting* is its overrides minus ``seed`` (seeds are the replicates a setting is averaged
+over) and minus the keys that do not change results: Hydra's
+``hydra.job.config.override_dirname.exclude_keys``, the same list that keeps them out of member dir
+names. It is read from the member's own ``.hydra/hydra.yaml`` (what its run used), else from the
+package's ``conf/train.yaml``: one list, in one place.
+
+The record is read through mhalab.train.record (``record.fields``: the flat keys, the best
+checkpoint's metrics, the last epoch's); the resolved config (heads, dim, layers, ff_dim, dropout, lr,
+batch_size, max_epochs, max_len, seed, model.attention, model.pos, data.name; the model keys are also
+looked up under config.model) falls back on ``.hydra/config.yaml``, the overrides on
+``.hydra/overrides.yaml``. ``metrics.csv`` (Lightning CSV logger, in the member dir or below it)
+provides the val-loss curves, and the best value when ``best`` lacks it.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from mhalab.analysis.report.stats import DEFAULT_METRIC, higher_is_better
+from mhalab.analysis.report.values import natural_key, parse_value, to_float
+from mhalab.errors import RunDirError
+from mhalab.train import record
+from mhalab.train.config import CONF_DIR
+
+log = logging.getLogger(__name__)
+
+# results.csv: the columns of the brief first, then extras.
+RESULT_COLUMNS = [
+    "member", "overrides", "setting", "seed", "params", "best_val_acc", "test_acc", "epochs",
+    "wall_time_s", "tokens_per_s", "status", "error",
+    "monitored", "best_val_loss", "best_epoch", "final_val_acc", "test_f1", "test_loss", "global_step",
+    "padding_fraction", "dim", "heads", "head_dim", "layers", "ff_dim", "ff_ratio", "dropout", "lr",
+    "batch_size", "max_epochs", "max_len", "dataset", "attention", "pos", "device",
+]
+
+
+class NoMembersError(RunDirError, FileNotFoundError):
+    """The directory holds no metrics.json at any depth (or is not a directory)."""
+
+
+# --------------------------------------------------------------------------------------------------
+# overrides -> setting
+
+
+def _load_yaml(path: Path) -> Any:
+    try:
+        import yaml
+
+        with open(path) as f:
+            return yaml.safe_load(f)
+    except Exception:  # noqa: BLE001 -- optional metadata
+        return None
+
+
+def _exclude_keys(hydra_cfg: Any) -> list[str] | None:
+    try:
+        keys = hydra_cfg["hydra"]["job"]["config"]["override_dirname"]["exclude_keys"]
+    except (KeyError, TypeError):
+        return None
+    return [str(k) for k in keys] if isinstance(keys, list) else None
+
+
+@functools.cache
+def default_non_result_keys() -> tuple[str, ...]:
+    """exclude_keys of the package's conf/train.yaml (for members without a .hydra/hydra.yaml)."""
+    return tuple(_exclude_keys(_load_yaml(CONF_DIR / "train.yaml")) or ())
+
+
+def non_result_keys(member_dir: Path) -> tuple[str, ...]:
+    """The override keys that do not change results, as the member's run had them."""
+    own = _exclude_keys(_load_yaml(member_dir / ".hydra" / "hydra.yaml"))
+    return tuple(own) if own is not None else default_non_result_keys()
+
+
+def _override_key(override: str) -> str:
+    """Hydra's key of an override: '+model@x=y' -> 'model' (what exclude_keys is matched against)."""
+    return override.split("=", 1)[0].strip().lstrip("+~").split("@", 1)[0]
+
+
+def setting_of(overrides: Iterable[str], skip: Iterable[str] | None = None) -> str:
+    """The swept setting: the overrides minus seed and the keys in skip (default: conf/train.yaml's)."""
+    skip = set(default_non_result_keys() if skip is None else skip) | {"seed"}
+    kept = [o for o in overrides if _override_key(o) not in skip]
+    return " ".join(kept) if kept else "(default)"
+
+
+def parse_setting(setting: str) -> dict[str, Any]:
+    if setting == "(default)":
+        return {}
+    out: dict[str, Any] = {}
+    for tok in setting.split(" "):
+        if "=" in tok:
+            k, v = tok.split("=", 1)
+            out[k.lstrip("+~")] = parse_value(v)
+    return out
+
+
+def _cfg_get(cfg: dict, *names: str) -> Any:
+    """Look a key up at the top of the config, then under config.model."""
+    if not isinstance(cfg, dict):
+        return None
+    model = cfg.get("model") if isinstance(cfg.get("model"), dict) else {}
+    for scope in (cfg, model):
+        for n in names:
+            if scope.get(n) is not None:
+                return scope[n]
+    return None
+
+
+# --------------------------------------------------------------------------------------------------
+# discovery and loading
+
+
+def find_member_dirs(root: str | Path) -> list[Path]:
+    """Directories under root (root included) that hold a metrics.json, in natural order."""
+    root = Path(root)
+    dirs = {p.parent for p in root.rglob(record.FILE) if p.is_file()}
+    return sorted(dirs, key=lambda d: natural_key(str(d.relative_to(root))))
+
+
+def _find_missing_hydra_jobs(root: Path, members: list[Path]) -> list[Path]:
+    """Hydra job dirs (with .hydra/config.yaml) that have no metrics.json at any depth."""
+    out = []
+    for cfg in root.rglob(".hydra/config.yaml"):
+        job = cfg.parent.parent
+        if not any(m == job or job in m.parents for m in members):
+            out.append(job)
+    return sorted(set(out), key=lambda d: natural_key(str(d.relative_to(root))))
+
+
+def find_metrics_csv(member_dir: Path) -> Path | None:
+    direct = member_dir / "metrics.csv"
+    if direct.is_file():
+        return direct
+    found = [p for p in member_dir.rglob("metrics.csv") if p.is_file()]
+    if not found:
+        return None
+    return max(found, key=lambda p: p.stat().st_mtime)
+
+
+def read_metrics_csv(path: Path | None) -> pd.DataFrame | None:
+    if path is None:
+        return None
+    try:
+        return pd.read_csv(path)
+    except Exception as exc:  # noqa: BLE001 -- a broken log must not break the report
+        log.warning("cannot read %s: %s", path, exc)
+        return None
+
+
+def _best_from_csv(csv: pd.DataFrame | None, metric: str) -> float:
+    if csv is None or metric not in csv.columns:
+        return math.nan
+    col = pd.to_numeric(csv[metric], errors="coerce").dropna()
+    if col.empty:
+        return math.nan
+    return float(col.max() if higher_is_better(metric) else col.min())
+
+
+def load_member(member_dir: Path, root: Path, metric: str = DEFAULT_METRIC) -> dict:
+    """One results row (plus the private '_csv' path) for a member directory."""
+    rel = str(member_dir.relative_to(root)) if member_dir != root else "."
+    row: dict[str, Any] = {c: None for c in RESULT_COLUMNS}
+    row["member"] = rel
+    data: dict = {}
+    if record.path(member_dir).is_file():
+        try:
+            data = record.read(member_dir)
+        except ValueError as exc:
+            row["status"] = "unreadable"
+            row["error"] = f"cannot parse metrics.json: {exc}"
+    else:
+        row["status"] = "missing"
+        row["error"] = "no metrics.json (the job stopped before the training run wrote it)"
+    rec = record.fields(member_dir, data)
+
+    cfg = rec["config"] if isinstance(rec["config"], dict) else {}
+    if not cfg:  # fall back on Hydra's own record of the job
+        hydra_cfg = _load_yaml(member_dir / ".hydra" / "config.yaml")
+        cfg = hydra_cfg if isinstance(hydra_cfg, dict) else {}
+
+    overrides = rec["overrides"]
+    if not isinstance(overrides, list):
+        hydra_ov = _load_yaml(member_dir / ".hydra" / "overrides.yaml")
+        overrides = hydra_ov if isinstance(hydra_ov, list) else []
+    overrides = [str(o) for o in overrides]
+    row["overrides"] = " ".join(overrides)
+    row["setting"] = setting_of(overrides, non_result_keys(member_dir))
+
+    seed = rec["seed"] if rec["seed"] is not None else cfg.get("seed")
+    if seed is None:
+        for o in overrides:
+            if _override_key(o) == "seed" and "=" in o:
+                seed = parse_value(o.split("=", 1)[1])
+    row["seed"] = seed
+
+    if row["status"] is None:
+        row["status"] = rec["status"]  # "running" with no live process is "dead"
+        err = str(rec["error"]).strip() if rec["error"] is not None else ""
+        row["error"] = err.splitlines()[0] if err else None
+
+    best, last = rec["best"], rec["last_epoch"]
+    csv_path = find_metrics_csv(member_dir)
+    csv = None
+
+    def best_of(name: str) -> float:
+        nonlocal csv
+        v = to_float(best.get(name))
+        if math.isnan(v):
+            if csv is None:
+                csv = read_metrics_csv(csv_path)
+            v = _best_from_csv(csv, name)
+        return v
+
+    row["monitored"] = best_of(metric)
+    row["best_val_acc"] = best_of("val/acc")
+    row["best_val_loss"] = best_of("val/loss")
+    row["best_epoch"] = best.get("epoch")
+    row["final_val_acc"] = to_float(last.get("val/acc"))  # the last epoch's
+    row["test_acc"] = to_float(best.get("test/acc"))
+    row["test_f1"] = to_float(best.get("test/f1"))
+    row["test_loss"] = to_float(best.get("test/loss"))
+    for k in ("params", "epochs", "global_step", "wall_time_s", "tokens_per_s", "padding_fraction", "device"):
+        row[k] = rec[k]
+
+    row["dim"] = to_float(_cfg_get(cfg, "dim", "embed_dim", "d_model"))
+    row["heads"] = to_float(_cfg_get(cfg, "heads", "num_heads", "n_heads"))
+    row["layers"] = to_float(_cfg_get(cfg, "layers", "num_layers", "n_layers"))
+    row["ff_dim"] = to_float(_cfg_get(cfg, "ff_dim", "dim_feedforward"))
+    row["dropout"] = to_float(_cfg_get(cfg, "dropout"))
+    row["lr"] = to_float(_cfg_get(cfg, "lr"))
+    row["batch_size"] = to_float(_cfg_get(cfg, "batch_size"))
+    row["max_epochs"] = to_float(_cfg_get(cfg, "max_epochs"))
+    row["max_len"] = to_float(_cfg_get(cfg, "max_len"))
+    row["head_dim"] = row["dim"] / row["heads"] if row["heads"] and row["heads"] > 0 else math.nan
+    row["ff_ratio"] = row["ff_dim"] / row["dim"] if row["dim"] and row["dim"] > 0 else math.nan
+    data_cfg = cfg.get("data") if isinstance(cfg.get("data"), dict) else {}
+    row["dataset"] = data_cfg.get("name")
+    row["attention"] = _cfg_get(cfg, "attention")
+    row["pos"] = _cfg_get(cfg, "pos")
+    row["_csv"] = str(csv_path) if csv_path else None
+    return row
+
+
+def collect_results(multirun_dir: str | Path, metric: str = DEFAULT_METRIC) -> pd.DataFrame:
+    """All members of a multirun dir as a DataFrame (RESULT_COLUMNS plus private '_csv')."""
+    root = Path(multirun_dir)
+    if not root.is_dir():
+        raise NoMembersError(f"{root} is not a directory: give the sweep dir (hydra.sweep.dir of a multirun)")
+    members = find_member_dirs(root)
+    if not members:
+        raise NoMembersError(
+            f"no metrics.json found under {root} (searched recursively): not a multirun directory of "
+            "mhalab training runs, or no job got as far as writing its metrics"
+        )
+    dirs = sorted(members + _find_missing_hydra_jobs(root, members),
+                  key=lambda d: natural_key(str(d.relative_to(root))))
+    df = pd.DataFrame([load_member(d, root, metric) for d in dirs])
+    return df[RESULT_COLUMNS + ["_csv"]]

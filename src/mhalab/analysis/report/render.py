@@ -1,0 +1,197 @@
+"""report.md: scale measured, per-setting mean ± std over seeds, best setting, verdicts, failed members, plots."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from mhalab.analysis.report.stats import MIN_SEEDS, SIGMA, GroupStats, higher_is_better, valid_mask
+from mhalab.analysis.report.values import finite, fmt_num
+from mhalab.analysis.report.verdicts import Verdict
+
+RESULTS_CSV = "results.csv"
+REPORT_MD = "report.md"
+
+
+def _points_scale(metric: str) -> tuple[float, str]:
+    """Accuracy-like metrics are shown in points (x100)."""
+    m = metric.lower()
+    if any(word in m for word in ("acc", "f1", "precision", "recall", "auc")):
+        return 100.0, " pts"
+    return 1.0, ""
+
+
+def _md(text: Any) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def _pm(mean: float, std: float, scale: float, digits: int) -> str:
+    if not finite(mean):
+        return "–"
+    s = f"{mean * scale:.{digits}f}"
+    return s + (f" ± {std * scale:.{digits}f}" if finite(std) else " ± –")
+
+
+def _uniq(df: pd.DataFrame, col: str) -> str:
+    vals = df[col].dropna().tolist() if col in df.columns else []
+    out = []
+    for v in vals:
+        v = fmt_num(v) if isinstance(v, (int, float, np.integer, np.floating)) else str(v)
+        if v not in out:
+            out.append(v)
+    try:
+        out.sort(key=float)
+    except ValueError:
+        out.sort()
+    return ", ".join(out) if out else "?"
+
+
+def _scale_lines(df: pd.DataFrame) -> list[str]:
+    epochs = pd.to_numeric(df["epochs"], errors="coerce").dropna()
+    params = pd.to_numeric(df["params"], errors="coerce").dropna()
+    wall = pd.to_numeric(df["wall_time_s"], errors="coerce").dropna()
+    lines = [
+        f"- data set: {_uniq(df, 'dataset')}; max_len: {_uniq(df, 'max_len')}; batch_size: {_uniq(df, 'batch_size')}",
+        (f"- embed dim: {_uniq(df, 'dim')}; heads: {_uniq(df, 'heads')}; head_dim: {_uniq(df, 'head_dim')}; "
+        f"layers: {_uniq(df, 'layers')}"),
+        (f"- ff_dim: {_uniq(df, 'ff_dim')} (ff_dim/dim: {_uniq(df, 'ff_ratio')}); dropout: {_uniq(df, 'dropout')}; "
+        f"lr: {_uniq(df, 'lr')}"),
+        f"- attention: {_uniq(df, 'attention')}; positions: {_uniq(df, 'pos')}",
+        f"- epochs: max_epochs {_uniq(df, 'max_epochs')}, run "
+        + (f"{int(epochs.min())}–{int(epochs.max())}" if len(epochs) else "?"),
+        f"- device: {_uniq(df, 'device')}",
+        "- parameters: " + (f"{int(params.min()):,}–{int(params.max()):,}" if len(params) else "?"),
+        "- total wall time: " + (f"{wall.sum() / 3600:.2f} h over {len(wall)} members" if len(wall) else "?"),
+    ]
+    dims = pd.to_numeric(df["dim"], errors="coerce").dropna()
+    if len(dims) and dims.max() < 512:
+        lines.append(f"- note: the article's advice is for embed_dim 512–1024; this sweep measured dim ≤ "
+                     f"{fmt_num(dims.max())}, so the verdicts hold at this (smaller) scale only.")
+    return lines
+
+
+def render_markdown(df: pd.DataFrame, summary: pd.DataFrame, verdicts: list[Verdict], metric: str,
+                    multirun_dir: Path, plots: dict[str, Path]) -> str:
+    scale, unit = _points_scale(metric)
+    digits = 2 if scale == 100 else 4
+    ok = valid_mask(df)
+    n_fail = int((~ok).sum())
+    L = [f"# Sweep report: `{multirun_dir}`", ""]
+    L += [(f"{len(df)} members, {int(ok.sum())} finished with `{metric}`, {n_fail} failed or incomplete. "
+          f"Monitored metric: `{metric}` (best over epochs, "
+          f"{'higher' if higher_is_better(metric) else 'lower'} is better); test metrics are reported, "
+          "never used for selection."), ""]
+    L += ["## Scale measured", ""] + _scale_lines(df) + [""]
+
+    L += ["## Per-setting results (mean ± std over seeds)", ""]
+    acc_s = "(×100)"
+    head = ["setting", "n seeds", f"best val acc {acc_s}", f"test acc {acc_s}", "wall time (s)", "params",
+            "failed"]
+    if metric != "val/acc":
+        head.insert(2, f"{metric}{' (×100)' if scale == 100 else ''}")
+    L += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for i, r in summary.iterrows():
+        name = f"**{_md(r['setting'])}**" if i == 0 and r["n"] > 0 else _md(r["setting"])
+        cells = [name, str(r["n"]), _pm(r["best_val_acc_mean"], r["best_val_acc_std"], 100, 2),
+                 _pm(r["test_acc_mean"], r["test_acc_std"], 100, 2),
+                 f"{r['wall_time_mean']:.0f}" if finite(r["wall_time_mean"]) else "–",
+                 f"{int(r['params']):,}" if finite(r["params"]) else "–", str(r["n_failed"])]
+        if metric != "val/acc":
+            cells.insert(2, _pm(r["monitored_mean"], r["monitored_std"], scale, digits))
+        L.append("| " + " | ".join(cells) + " |")
+    L.append("")
+
+    L += ["## Best setting", ""]
+    ranked = summary[summary["n"] > 0]
+    if ranked.empty:
+        L += ["No finished member: no best setting.", ""]
+    else:
+        b = ranked.iloc[0]
+        L.append(f"**{_md(b['setting'])}**: `{metric}` {_pm(b['monitored_mean'], b['monitored_std'], scale, digits)}"
+                 f"{unit} over {b['n']} seed(s); test acc {_pm(b['test_acc_mean'], b['test_acc_std'], 100, 2)} "
+                 "(reported only).")
+        if len(ranked) > 1:
+            r2 = ranked.iloc[1]
+            gap = abs(b["monitored_mean"] - r2["monitored_mean"]) * scale
+            if b["n"] >= 2 and r2["n"] >= 2:
+                se = math.sqrt(b["monitored_std"] ** 2 / b["n"] + r2["monitored_std"] ** 2 / r2["n"]) * scale
+                clear = "clear" if gap > SIGMA * se else "within seed noise"
+                L.append(f"Runner-up **{_md(r2['setting'])}** is {gap:.{digits}f}{unit} behind "
+                         f"({SIGMA:g}·SE = {SIGMA * se:.{digits}f}{unit}: {clear}).")
+            else:
+                L.append(f"Runner-up **{_md(r2['setting'])}** is {gap:.{digits}f}{unit} behind "
+                         "(fewer than 2 seeds: noise not measurable).")
+        if b["n"] < 2:
+            L.append("Single seed: the ranking is not protected against seed noise.")
+        L.append("")
+
+    L += ["## Verdicts on the article's claims", ""]
+    L += [(f"Rule: per claim, the finished members are split into the claimed group and one group per "
+          f"alternative; each member contributes its best `{metric}`. effect = mean(claimed) − mean(best "
+          f"alternative) (> 0 = claimed better), SE = √(s_c²/n_c + s_a²/n_a) with s the std over the group's "
+          f"values. **supported** if effect > {SIGMA:g}·SE, **not supported** if effect < −{SIGMA:g}·SE, "
+          f"**inconclusive** otherwise or when a compared group has fewer than {MIN_SEEDS} seeds. "
+          "Other swept variables are pooled (marginal means); 'also varies' flags confounds. "
+          "'wider' compares the widest dim against the best narrower dim; 'head_dim' pools head_dim ≥ 64 "
+          "against head_dim < 64. Seed spread = pooled within-group std."), ""]
+    vh = ["claim", "verdict", "claimed group", "best alternative", f"effect{unit}", f"{SIGMA:g}·SE{unit}",
+          f"seed spread{unit}", "also varies", "why"]
+    L += ["| " + " | ".join(vh) + " |", "|" + "---|" * len(vh)]
+
+    def grp(g: GroupStats | None) -> str:
+        if g is None:
+            return "–"
+        return f"{_md(g.label)}: {_pm(g.mean, g.std, scale, digits)} (n={g.n}, seeds={g.n_seeds})"
+
+    def num(x: float) -> str:
+        return f"{x * scale:+.{digits}f}" if finite(x) else "–"
+
+    for v in verdicts:
+        L.append("| " + " | ".join([
+            v.claim, f"**{v.verdict}**", grp(v.claimed), grp(v.alternative), num(v.effect),
+            f"{v.threshold * scale:.{digits}f}" if finite(v.threshold) else "–",
+            f"{v.spread * scale:.{digits}f}" if finite(v.spread) else "–",
+            ", ".join(v.also_varies) or "–", _md(v.reason)]) + " |")
+    L.append("")
+    others = [v for v in verdicts if v.covered and len(v.others) > 1]
+    if others:
+        L.append("All groups per covered claim (mean over members):")
+        L.append("")
+        for v in others:
+            parts = [f"{g.label}: {_pm(g.mean, g.std, scale, digits)} (n={g.n})" for g in v.others]
+            L.append(f"- {v.claim}: claimed {grp(v.claimed)}; alternatives " + "; ".join(parts))
+        L.append("")
+
+    L += ["## Failed members", ""]
+    bad = df[~ok]
+    if bad.empty:
+        L += ["None.", ""]
+    else:
+        L += ["| member | setting | seed | status | reason |", "|---|---|---|---|---|"]
+        for _, r in bad.iterrows():
+            if isinstance(r["error"], str) and r["error"]:
+                reason = r["error"]
+            elif r["status"] == "finished":
+                reason = f"finished but no `{metric}` recorded"
+            elif r["status"] == "running":
+                reason = "still running"
+            elif r["status"] == "dead":
+                reason = "killed (its process is gone; re-run the sweep to resume it)"
+            else:
+                reason = "(no reason recorded)"
+            seed = "–" if r["seed"] is None or (isinstance(r["seed"], float) and math.isnan(r["seed"])) else r["seed"]
+            L.append(f"| {_md(r['member'])} | {_md(r['setting'])} | {seed} | {_md(r['status'])} | {_md(reason)} |")
+        L.append("")
+
+    L += ["## Plots", ""]
+    titles = {"val_loss": "Validation loss curves", "acc_vs_swept": "Accuracy vs swept value",
+              "acc_vs_wall_time": "Accuracy vs wall time"}
+    for key, p in plots.items():
+        L += [f"- [{titles.get(key, key)}]({p.name})", "", f"![{titles.get(key, key)}]({p.name})", ""]
+    L += [f"Per-member table: [{RESULTS_CSV}]({RESULTS_CSV})", ""]
+    return "\n".join(L)
+
