@@ -91,7 +91,10 @@ def test_run_writes_metrics_curves_and_checkpoints(trained_run):
     out, _ = trained_run
     rec = json.loads((out / "metrics.json").read_text())
     assert rec["status"] == "finished" and rec["epochs"] == 2 and rec["params"] > 0
-    assert 0.5 < rec["best"]["val/acc"] <= 1.0 and 0.5 < rec["final"]["test/acc"] <= 1.0
+    assert 0.5 < rec["best"]["val/acc"] <= 1.0 and 0.5 < rec["best"]["test/acc"] <= 1.0
+    # the last epoch's val/* apart from the best checkpoint's: no `final` mixing the two any more
+    assert "final" not in rec and "val/acc" in rec["last_epoch"]
+    assert all(k.startswith("val/") for k in rec["last_epoch"])
     assert rec["tokens_per_s"] > 0 and 0.0 <= rec["padding_fraction"] < 0.5
     assert rec["config"]["model"]["heads"] == 4  # the resolved config is recorded
     log = pd.read_csv(out / "logs" / "metrics.csv")
@@ -148,7 +151,7 @@ def test_same_seed_same_numbers_other_seed_different(tmp_path, toy_data_dir):
                             toy_data_dir, tmp_path / "cache")
         run(cfg)
         rec = json.loads((tmp_path / f"o{i}" / "metrics.json").read_text())
-        results.append((rec["final"]["val/loss"], rec["final"]["val/acc"]))
+        results.append((rec["last_epoch"]["val/loss"], rec["last_epoch"]["val/acc"]))
     assert results[0] == results[1]
     assert results[0][0] != results[2][0]
 
@@ -182,8 +185,8 @@ def test_eval_script_reproduces_the_runs_test_metrics_from_the_checkpoint_alone(
         sys.path.pop(0)
     res = evaluate(rec["best"]["checkpoint"], "test")
     assert res["examples"] == 64
-    assert abs(res["test/acc"] - rec["final"]["test/acc"]) < 1e-6
-    assert abs(res["test/loss"] - rec["final"]["test/loss"]) < 1e-5
+    assert abs(res["test/acc"] - rec["best"]["test/acc"]) < 1e-6
+    assert abs(res["test/loss"] - rec["best"]["test/loss"]) < 1e-5
     val = evaluate(rec["best"]["checkpoint"], "validation")
     assert abs(val["validation/acc"] - rec["best"]["val/acc"]) < 1e-6
 

@@ -218,21 +218,23 @@ def _fit_and_test(cfg: DictConfig, out: Path, rec: dict, stop: GracefulStop, ckp
     # checkpoint is loaded for validate/test below, which would put its own counts back
     real, pads = (int(x) for x in module.token_counts.cpu() * trainer.world_size)
 
-    final = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
+    # the record's two sets of metrics (mhalab.train.record): the last validation of fit, and the best checkpoint
+    last_epoch = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
     ckpt_cb = trainer.checkpoint_callback
     best = {"val/acc": float(ckpt_cb.best_model_score) if ckpt_cb and ckpt_cb.best_model_score is not None
-            else final.get("val/acc", float("nan"))}
+            else last_epoch.get("val/acc", float("nan"))}
     if cfg.get("test_after_fit", True) and not trainer.fast_dev_run:
         best_path = ckpt_cb.best_model_path if ckpt_cb and ckpt_cb.best_model_path else None
         # the best checkpoint by val/acc, evaluated once on val (for its val/loss) and once on test
         val_res = trainer.validate(module, datamodule=dm, ckpt_path=best_path, verbose=False, weights_only=True)[0]
         best.update({k: float(v) for k, v in val_res.items()})
         test_res = trainer.test(module, datamodule=dm, ckpt_path=best_path, verbose=False, weights_only=True)[0]
-        final.update({k: float(v) for k, v in test_res.items()})
+        best.update({k: float(v) for k, v in test_res.items()})
         best["checkpoint"] = best_path
     fit_total = sum(a.get("fit_time_s", 0.0) for a in rec.get("attempts", [])) or fit_s
     rec.update(
-        params=params, epochs=trainer.current_epoch, global_step=trainer.global_step, best=best, final=final,
+        params=params, epochs=trainer.current_epoch, global_step=trainer.global_step, best=best,
+        last_epoch=last_epoch,
         train_tokens=real, peak_mem_mb=peak_mb, peak_mem_kind=peak_kind,
         tokens_per_s=real / fit_total if fit_total > 0 else math.nan,  # real (non-pad) tokens per second of fit()
         padding_fraction=pads / max(1, real + pads),
