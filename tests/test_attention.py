@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from conftest import close
 from torch import nn
 
-from mhalab.nn.attention import MultiHeadAttention, ScaledDotProductAttention
+from mhalab.nn.attention import BLOCK_MIN_SCORES, QUERY_BLOCK, MultiHeadAttention, ScaledDotProductAttention
 
 ONE_THREAD = True  # tiny tensors: see conftest.one_thread
 
@@ -214,6 +214,32 @@ def test_explicit_and_fused_paths_agree(kind):
         close(a, b, what="input grad")
     for a, p in zip(grads_e, ours.parameters()):
         close(a, p.grad, what="param grad")
+
+
+def _record_kernel_calls(mha: MultiHeadAttention) -> list[tuple[bool, bool]]:
+    """(need_weights the kernel was called with, whether it returned weights), one per call of mha's kernel."""
+    calls = []
+    mha.attention.register_forward_hook(
+        lambda mod, args, kwargs, out: calls.append((kwargs["need_weights"], out[1] is not None)), with_kwargs=True)
+    return calls
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_explicit_flag_takes_the_weights_path_when_need_weights_is_false(kind):
+    # MultiHeadAttention(explicit=True) called with need_weights=False (as encoder layers call it) computes
+    # through the weights, bit for bit what need_weights=True gives, and still returns no weights
+    off = nn.MultiheadAttention(E, H, batch_first=True)
+    explicit, plain = MultiHeadAttention.from_official(off, explicit=True), MultiHeadAttention.from_official(off)
+    calls, plain_calls = _record_kernel_calls(explicit), _record_kernel_calls(plain)
+    case = make_case(kind)
+    out, w, _ = run_ours(explicit, case, need_weights=False)
+    ref, w_ref, _ = run_ours(plain, case, need_weights=True)
+    fused, _, _ = run_ours(plain, case, need_weights=False)
+    assert w is None and w_ref is not None
+    assert torch.equal(out, ref)
+    assert calls == [(True, True)] and plain_calls == [(True, True), (False, False)]
+    close(out, fused, what="explicit vs fused")
+    assert explicit.state_dict().keys() == plain.state_dict().keys()  # a flag, not weights
 
 
 @pytest.mark.parametrize("kind", ["none", "causal", "padding", "causal_padding", "per_head_4d"])
@@ -609,9 +635,7 @@ def test_dropout_drops_in_train_on_both_paths_and_matches_official_rng(need_weig
 
 def _blocked(p=0.25, block=16):
     """A ScaledDotProductAttention whose fused path attends in blocks of `block` queries."""
-    sdpa = ScaledDotProductAttention(p)
-    sdpa.block_min_scores, sdpa.query_block = 1, block
-    return sdpa.train()
+    return ScaledDotProductAttention(p, block_min_scores=1, query_block=block).train()
 
 
 def _qkv_and_causal_padding_mask(B=2, H=3, L=40, d=8):
@@ -683,6 +707,42 @@ def test_blocked_dropout_path_keeps_a_fraction_of_the_saved_activations():
     blocked = saved_bytes(_blocked(0.1, 64))
     assert whole >= 2 * B * H * L * L * 4  # at least two float32 (L, L) matrices per head
     assert blocked <= 0.1 * whole, (blocked, whole)
+
+
+def test_block_settings_are_constructor_arguments_of_each_instance():
+    # MultiHeadAttention hands them to its default kernel; two instances keep their own values, and a
+    # state dict saved with one setting loads into the other (they are not weights)
+    (Q, K, V), _ = _qkv_and_causal_padding_mask()
+    off = MultiHeadAttention(16, 2, 0.1, block_min_scores=None)
+    small = MultiHeadAttention(16, 2, 0.1, block_min_scores=1, query_block=8)
+    default = MultiHeadAttention(16, 2, 0.1)
+    assert (off.attention.block_min_scores, off.attention.query_block) == (None, QUERY_BLOCK)
+    assert (small.attention.block_min_scores, small.attention.query_block) == (1, 8)
+    assert (default.attention.block_min_scores, default.attention.query_block) == (BLOCK_MIN_SCORES, QUERY_BLOCK)
+    off.load_state_dict(small.state_dict())  # strict: the same keys
+    # block_min_scores=None never blocks, even for a kernel whose size would
+    torch.manual_seed(5)
+    never, _ = ScaledDotProductAttention(0.25, block_min_scores=None, query_block=16).train()(Q, K, V, need_weights=False)
+    torch.manual_seed(5)
+    whole, _ = ScaledDotProductAttention(0.25).train()(Q, K, V, need_weights=False)  # L=40: below the default
+    torch.manual_seed(5)
+    blocked, _ = _blocked(0.25, 16)(Q, K, V, need_weights=False)
+    assert torch.equal(never, whole) and not torch.equal(blocked, whole)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"block_min_scores": 0}, r"block_min_scores=0 must be an integer >= 1 or null"),
+    ({"block_min_scores": -4}, r"block_min_scores=-4 must be an integer >= 1 or null"),
+    ({"block_min_scores": 1.5}, r"block_min_scores=1.5 must be an integer"),
+    ({"block_min_scores": True}, r"block_min_scores=True must be an integer"),
+    ({"query_block": None}, r"query_block=None must be an integer >= 1 \(the default is 256\)"),
+    ({"query_block": 0}, r"query_block=0 must be an integer >= 1"),
+])
+def test_bad_block_settings_are_refused_naming_the_value(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ScaledDotProductAttention(0.1, **kwargs)
+    with pytest.raises(ValueError, match=match):
+        MultiHeadAttention(16, 2, 0.1, **kwargs)
 
 
 def test_dropout_is_off_in_eval():

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from conftest import close
 
 from mhalab.model import SequenceClassifier
-from mhalab.nn.attention import MultiHeadAttention
+from mhalab.nn.attention import BLOCK_MIN_SCORES, QUERY_BLOCK, MultiHeadAttention
 from mhalab.nn.encoder import OfficialEncoder, TransformerEncoder
 
 
@@ -96,3 +96,45 @@ def test_heads_reach_the_attention_modules():
 def test_official_rejects_variants():
     with pytest.raises(ValueError, match="model=official supports attention=full"):
         SequenceClassifier(30, 2, encoder="official", dim=32, heads=4, pos="rope")
+
+
+# ---------------------------------------------------------------- CPU query blocks: constructor arguments, config
+
+
+def test_classifier_hands_block_settings_to_every_attention_layer():
+    m = SequenceClassifier(30, 2, dim=32, heads=4, layers=3, ff_dim=64, max_len=16, block_min_scores=None,
+                           query_block=32)
+    kernels = [lyr.self_attn.attention for lyr in m.encoder.layers]
+    assert len(kernels) == 3 and all((k.block_min_scores, k.query_block) == (None, 32) for k in kernels)
+    default = SequenceClassifier(30, 2, dim=32, heads=4, layers=3, ff_dim=64, max_len=16)
+    k = default.encoder.layers[0].self_attn.attention
+    assert (k.block_min_scores, k.query_block) == (BLOCK_MIN_SCORES, QUERY_BLOCK)
+    m.load_state_dict(default.state_dict())  # strict: the settings are not weights, checkpoints load either way
+
+
+def test_custom_yaml_declares_the_block_settings_with_the_kernel_defaults():
+    from conftest import CONF
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.load(CONF / "model" / "custom.yaml")
+    assert (cfg.block_min_scores, cfg.query_block) == (BLOCK_MIN_SCORES, QUERY_BLOCK)
+    # model=official inherits them (official.yaml extends custom.yaml): PyTorch's encoder takes and ignores them
+    m = SequenceClassifier(30, 2, encoder="official", dim=32, heads=4, block_min_scores=None, query_block=8)
+    assert isinstance(m.encoder, OfficialEncoder)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("model.query_block=0", "model.query_block=0 must be an integer >= 1 (the default is 256)."),
+    ("model.block_min_scores=-1", "model.block_min_scores=-1 must be an integer >= 1 or null (never)"),
+    ("model.block_min_scores=abc", "model.block_min_scores='abc' must be an integer >= 1 or null (never)"),
+])
+def test_config_validation_refuses_bad_block_settings_in_one_line(override, message, tmp_path):
+    from conftest import compose_train
+
+    from mhalab.errors import ConfigError
+    from mhalab.train.config import validate
+
+    validate(compose_train(["model.block_min_scores=null", "model.query_block=64"], tmp_path))  # both fine
+    with pytest.raises(ConfigError) as e:
+        validate(compose_train([override], tmp_path))
+    assert str(e.value).startswith(message) and "\n" not in str(e.value)

@@ -27,7 +27,7 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor, nn
 
-from mhalab.nn.attention import MultiHeadAttention, check_heads
+from mhalab.nn.attention import BLOCK_MIN_SCORES, QUERY_BLOCK, MultiHeadAttention, check_heads
 from mhalab.nn.encoder import OfficialEncoder, TransformerEncoder, TransformerEncoderLayer
 from mhalab.nn.kernels import LinformerAttention, PerformerAttention, WindowAttention
 from mhalab.nn.positions import ALiBi, LearnedPosition, RotaryEmbedding, SinusoidalPosition, T5RelativeBias
@@ -175,6 +175,8 @@ class SequenceClassifier(nn.Module):
         pad_id: int = 0,
         attention_options: dict | None = None,
         embed_dropout: float | None = None,
+        block_min_scores: int | None = BLOCK_MIN_SCORES,
+        query_block: int = QUERY_BLOCK,
     ):
         super().__init__()
         check_model(encoder, pooling, attention, pos)
@@ -196,7 +198,10 @@ class SequenceClassifier(nn.Module):
         stack = {"num_layers": layers, "embed_dim": dim, "num_heads": heads, "ff_dim": ff_dim, "dropout": dropout,
                  "activation": activation, "norm_first": norm_first, "final_norm": norm_first}
         if encoder == "custom":
-            mha = MultiHeadAttention(dim, heads, dropout, **parts)
+            # CPU training at long L: query blocks (ScaledDotProductAttention); not weights, so any
+            # checkpoint loads whatever the values. PyTorch's encoder has no such switch: ignored there.
+            mha = MultiHeadAttention(dim, heads, dropout, **parts, block_min_scores=block_min_scores,
+                                     query_block=query_block)
             layer = TransformerEncoderLayer(dim, heads, ff_dim, dropout, activation, norm_first, self_attn=mha)
             self.encoder = TransformerEncoder(**stack, layer=layer)
         else:

@@ -23,19 +23,41 @@ from torch.utils.checkpoint import checkpoint
 from mhalab.nn.masks import dead_rows, merge_masks, to_additive
 from mhalab.nn.unpad import Unpadding
 
+# CPU training with dropout and at least BLOCK_MIN_SCORES scores per (batch, head) attends in query blocks
+# of QUERY_BLOCK rows (see _blocked_sdpa): memory for time, so only from L = 2048 on, where the (L, L)
+# tensors dominate a training step's memory. The defaults of the constructor arguments (and of
+# conf/model/custom.yaml, which a test keeps equal).
+BLOCK_MIN_SCORES = 2048 * 2048
+QUERY_BLOCK = 256
+
+
+def check_blocking(block_min_scores: int | None, query_block: int, prefix: str = "") -> None:
+    """The one rule for the query-block settings: block_min_scores None (never) or an integer >= 1,
+    query_block an integer >= 1. `prefix` is the caller's name for their owner ("model." in the config)."""
+    for name, value, nullable in (("block_min_scores", block_min_scores, True), ("query_block", query_block, False)):
+        if value is None and nullable:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            default = {"block_min_scores": BLOCK_MIN_SCORES, "query_block": QUERY_BLOCK}[name]
+            raise ValueError(f"{prefix}{name}={value!r} must be an integer >= 1{' or null (never)' * nullable} "
+                             f"(the default is {default}).")
+
 
 class ScaledDotProductAttention(nn.Module):
-    """softmax(Q K^T / sqrt(d) + mask) V, for (..., L, d) inputs: 3-D or 4-D (B, H, L, d)."""
+    """softmax(Q K^T / sqrt(d) + mask) V, for (..., L, d) inputs: 3-D or 4-D (B, H, L, d).
 
-    # CPU training with dropout and at least this many scores per (batch, head) attends in query blocks
-    # of `query_block` rows (see _blocked_sdpa): memory for time, so only from L = 2048 on, where the
-    # (L, L) tensors dominate a training step's memory. block_min_scores = None turns it off.
-    block_min_scores: int | None = 2048 * 2048
-    query_block: int = 256
+    block_min_scores, query_block: on CPU, in training with dropout, a (batch, head) with at least
+    block_min_scores (L_q * L_k) scores attends query_block queries at a time, each block recomputed
+    in backward (see _blocked_sdpa). None turns it off. Neither is a parameter or buffer, so
+    checkpoints load whatever their values.
+    """
 
-    def __init__(self, dropout: float = 0.0):
+    def __init__(self, dropout: float = 0.0, block_min_scores: int | None = BLOCK_MIN_SCORES,
+                 query_block: int = QUERY_BLOCK):
         super().__init__()
+        check_blocking(block_min_scores, query_block)
         self.dropout = nn.Dropout(dropout)
+        self.block_min_scores, self.query_block = block_min_scores, query_block
 
     def forward(
         self, Q: Tensor, K: Tensor, V: Tensor, mask: Tensor | None = None, need_weights: bool = True
@@ -121,6 +143,11 @@ class MultiHeadAttention(nn.Module):
     on packed tokens x (N, E) -> ((N, E), weights), as TransformerEncoder runs it (see unpad.Unpadding).
     `attention` swaps the kernel (see mhalab.model); `rotary` rotates q and k (RoPE);
     `position_bias` adds a (H, L_q, L_k) bias to the scores (ALiBi, T5).
+    `block_min_scores`, `query_block` go to the default kernel (see ScaledDotProductAttention).
+    `explicit=True` always attends through the (B, H, L_q, L_k) weights (the need_weights=True path), also
+    when the caller passes need_weights=False, as encoder layers do; the weights are returned only when
+    asked for. It is how the benchmark and the comparison with PyTorch time and test that path inside an
+    encoder; a flag of the instance, not a parameter, so state dicts are the same.
     """
 
     def __init__(
@@ -132,6 +159,9 @@ class MultiHeadAttention(nn.Module):
         attention: nn.Module | None = None,
         rotary: nn.Module | None = None,
         position_bias: nn.Module | None = None,
+        block_min_scores: int | None = BLOCK_MIN_SCORES,
+        query_block: int = QUERY_BLOCK,
+        explicit: bool = False,
     ):
         super().__init__()
         check_heads(embed_dim, num_heads)
@@ -142,9 +172,11 @@ class MultiHeadAttention(nn.Module):
         self.W_K = nn.Linear(embed_dim, embed_dim, bias=bias)
         self.W_V = nn.Linear(embed_dim, embed_dim, bias=bias)
         self.W_O = nn.Linear(embed_dim, embed_dim, bias=bias)
-        self.attention = attention if attention is not None else ScaledDotProductAttention(dropout)
+        self.attention = (attention if attention is not None
+                          else ScaledDotProductAttention(dropout, block_min_scores, query_block))
         self.rotary = rotary
         self.position_bias = position_bias
+        self.explicit = explicit
         self._reset_parameters()
 
     def _reset_parameters(self) -> None:
@@ -231,7 +263,8 @@ class MultiHeadAttention(nn.Module):
             attn_mask, key_padding_mask, batch=B, num_heads=self.num_heads, L_q=L_q, L_k=L_k,
             dtype=q.dtype, bias=pos_bias,
         )  # None or broadcastable to (B, H, L_q, L_k)
-        out, weights = self.attention(q, k, v, mask=mask, need_weights=need_weights)
+        out, weights = self.attention(q, k, v, mask=mask, need_weights=need_weights or self.explicit)
+        weights = weights if need_weights else None  # explicit=True computed them, nobody asked
         # merge heads: (B, H, L_q, d) -> (B, L_q, H, d) -> (B, L_q, E)
         # (free when the kernel wrote its output as (B, L_q, H, d), as SDPA's CPU kernel does when q
         # is a view of a (B, L, ...) projection, as here)
@@ -264,14 +297,14 @@ class MultiHeadAttention(nn.Module):
 
     # ---- converters to and from nn.MultiheadAttention (batch_first) ----
     @classmethod
-    def from_official(cls, mha: nn.MultiheadAttention) -> MultiHeadAttention:
+    def from_official(cls, mha: nn.MultiheadAttention, explicit: bool = False) -> MultiHeadAttention:
         if not mha._qkv_same_embed_dim or mha.bias_k is not None or mha.add_zero_attn:
             raise ValueError(
                 "from_official supports nn.MultiheadAttention with kdim = vdim = embed_dim, "
                 "add_bias_kv=False and add_zero_attn=False."
             )
         has_bias = mha.in_proj_bias is not None
-        ours = cls(mha.embed_dim, mha.num_heads, dropout=mha.dropout, bias=has_bias)
+        ours = cls(mha.embed_dim, mha.num_heads, dropout=mha.dropout, bias=has_bias, explicit=explicit)
         ours = ours.to(device=mha.in_proj_weight.device, dtype=mha.in_proj_weight.dtype)
         with torch.no_grad():
             for lin, w in zip((ours.W_Q, ours.W_K, ours.W_V), mha.in_proj_weight.chunk(3)):

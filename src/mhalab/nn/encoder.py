@@ -124,7 +124,8 @@ class TransformerEncoderLayer(nn.Module):
 
     # ---- converters to and from nn.TransformerEncoderLayer (batch_first) ----
     @classmethod
-    def from_official(cls, layer: nn.TransformerEncoderLayer) -> TransformerEncoderLayer:
+    def from_official(cls, layer: nn.TransformerEncoderLayer, explicit: bool = False) -> TransformerEncoderLayer:
+        """Ours with `layer`'s weights; explicit=True: its attention takes the weights path (MultiHeadAttention)."""
         act = layer.activation
         name = {F.relu: "relu", F.gelu: "gelu"}.get(act) or {nn.ReLU: "relu", nn.GELU: "gelu"}.get(type(act))
         if name is None or (isinstance(act, nn.GELU) and act.approximate != "none"):
@@ -137,7 +138,7 @@ class TransformerEncoderLayer(nn.Module):
         ours = cls(
             layer.self_attn.embed_dim, layer.self_attn.num_heads, layer.linear1.out_features, dropout=p,
             activation=name, norm_first=layer.norm_first, layer_norm_eps=layer.norm1.eps,
-            self_attn=MultiHeadAttention.from_official(layer.self_attn),
+            self_attn=MultiHeadAttention.from_official(layer.self_attn, explicit=explicit),
         ).to(layer.linear1.weight.device, layer.linear1.weight.dtype)
         ours.ffn[0].load_state_dict(layer.linear1.state_dict())
         ours.ffn[3].load_state_dict(layer.linear2.state_dict())
@@ -226,8 +227,9 @@ class TransformerEncoder(nn.Module):
         return unpad if 0 < unpad.num_tokens < kpm.numel() else None
 
     @classmethod
-    def from_official(cls, enc: nn.TransformerEncoder) -> TransformerEncoder:
-        layers = [TransformerEncoderLayer.from_official(lyr) for lyr in enc.layers]
+    def from_official(cls, enc: nn.TransformerEncoder, explicit: bool = False) -> TransformerEncoder:
+        """Ours with `enc`'s weights; explicit=True: every layer's attention takes the weights path."""
+        layers = [TransformerEncoderLayer.from_official(lyr, explicit) for lyr in enc.layers]
         first = layers[0]
         ours = cls(len(layers), first.self_attn.embed_dim, first.self_attn.num_heads,
                    first.ffn[0].out_features, final_norm=enc.norm is not None, layer=first)

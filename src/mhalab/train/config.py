@@ -116,7 +116,7 @@ def validate(cfg: DictConfig) -> None:
     """Cheap checks of the composed config, before any data is read. Each message names the value and the
     fix. The rules are the modules' own (their constants and check functions), so there is one of each."""
     from mhalab.model import check_attention, check_model
-    from mhalab.nn.attention import check_heads
+    from mhalab.nn.attention import QUERY_BLOCK, check_blocking, check_heads
     from mhalab.nn.encoder import ACTIVATIONS
     from mhalab.train.module import SCHEDULES
 
@@ -139,6 +139,7 @@ def validate(cfg: DictConfig) -> None:
     _ok(check_model, m.encoder, m.pooling, m.attention, m.pos)
     options = OmegaConf.to_container(m.get("attention_options") or {}, resolve=True)
     _ok(check_attention, m.attention, m.pos, options, model_max_len + (m.pooling == "cls"))
+    _ok(check_blocking, m.get("block_min_scores"), m.get("query_block", QUERY_BLOCK), "model.")  # CPU query blocks
 
     lr = _float(cfg, "optim.lr")
     if lr is None or lr <= 0:
