@@ -1,35 +1,37 @@
 """End-to-end training throughput: real (non-pad) tokens per second and the padding fraction, with
 length-bucketed batches vs plain shuffled batches vs every batch padded to max_len.
 
-    python scripts/throughput.py [--steps 40] [--data sst2 imdb] [--out results/bench/throughput.md]
+    python scripts/throughput.py [steps=40] [data=[sst2,imdb]] [out=results/bench/throughput.md] [device=cpu]
 
-Each mode trains the same model (the default custom encoder) for --steps optimizer steps on real
+Each mode trains the same model (the default custom encoder) for `steps` optimizer steps on real
 batches from the data set (after 5 warm-up steps), timing data loading, forward, backward and step.
 """
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from hydra import compose, initialize_config_dir
 
-import mhalab.train.config  # noqa: F401  (resolvers)
+from mhalab.analysis.options import doc, parse
+from mhalab.cli import one_line_errors
 from mhalab.data import TextClassificationDataModule
+from mhalab.errors import ConfigError
 from mhalab.model import SequenceClassifier
+from mhalab.train.config import CONF_DIR  # (and registers the configs' resolvers)
 
-REPO = Path(__file__).resolve().parents[1]
 MODES = {"bucketed": {"bucketing": True, "fixed_len": False}, "shuffled": {"bucketing": False, "fixed_len": False},
          "fixed max_len": {"bucketing": False, "fixed_len": True}}
 SIZES = {"sst2": {"batch_size": 64, "max_len": 64}, "imdb": {"batch_size": 32, "max_len": 512}}
 
 
 def measure(data: str, mode: str, steps: int, device: str) -> dict:
-    with initialize_config_dir(config_dir=str(REPO / "src" / "mhalab" / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose("train", overrides=[f"data={data}", "paths.output_dir=/tmp"])
     kwargs = {k: v for k, v in dict(cfg.data).items() if k != "_target_"}
     kwargs.update(SIZES[data], **MODES[mode])
@@ -62,16 +64,24 @@ def measure(data: str, mode: str, steps: int, device: str) -> dict:
             "s_per_step": seconds / steps}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--data", nargs="+", default=["sst2", "imdb"], choices=sorted(SIZES))
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--out", default=None, help="write the markdown table here")
-    args = ap.parse_args()
+@dataclass
+class ThroughputConfig:
+    steps: int = field(default=40, metadata=doc("timed optimizer steps per mode (after 5 warm-up steps)"))
+    data: list[str] = field(default_factory=lambda: ["sst2", "imdb"], metadata=doc(f"of {sorted(SIZES)}"))
+    device: str | None = field(default=None, metadata=doc("cpu | cuda (default: cuda if available)"))
+    out: str | None = field(default=None, metadata=doc("write the markdown table here"))
+
+
+@one_line_errors
+def main(argv=None) -> None:
+    args = parse(ThroughputConfig, sys.argv[1:] if argv is None else argv, "python scripts/throughput.py", __doc__)
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    bad = [d for d in args.data if d not in SIZES]
+    if bad or not args.data or args.steps < 1:
+        raise ConfigError(f"data={args.data} must list some of {sorted(SIZES)} and steps={args.steps} be >= 1.")
     rows = [measure(d, m, args.steps, args.device) for d in args.data for m in MODES]
     lines = [(f"Training throughput, default custom encoder, {args.device}, {args.steps} steps per mode "
-              f"(`python scripts/throughput.py --steps {args.steps}`)"), "",
+              f"(`python scripts/throughput.py steps={args.steps}`)"), "",
              "| data (batch, max_len) | batches | real tokens/s | vs bucketed | padding fraction | s/step |",
              "|---|---|---|---|---|---|"]
     for r in rows:

@@ -163,22 +163,39 @@ def test_layer_equals_official(kind, activation, norm_first, mode, conversion):
     run_both(ours, off, kind, mode)
 
 
+def _record_kernel_calls(model: nn.Module) -> list[tuple[bool, bool]]:
+    """(need_weights each attention kernel was called with, whether it returned weights), one per call."""
+    calls = []
+    for m in model.modules():
+        if isinstance(m, MultiHeadAttention):
+            m.attention.register_forward_hook(
+                lambda mod, args, kwargs, out: calls.append((kwargs["need_weights"], out[1] is not None)),
+                with_kwargs=True)
+    return calls
+
+
 @pytest.mark.parametrize("norm_first", [False, True], ids=["post_norm", "pre_norm"])
 @pytest.mark.parametrize("kind", KINDS)
-def test_layer_with_explicit_attention_path_equals_official(kind, norm_first, monkeypatch):
-    """The layer uses the fused kernel; forcing the weights path inside it gives the same numbers."""
-    ours, off = layer_pair("from_official", "gelu", norm_first)
-    fwd = MultiHeadAttention.forward
-    calls = []
-
-    def explicit(self, *args, **kw):
-        calls.append(kw.get("need_weights"))
-        kw["need_weights"] = True
-        return fwd(self, *args, **kw)
-
-    monkeypatch.setattr(MultiHeadAttention, "forward", explicit)
+def test_layer_with_explicit_attention_path_equals_official(kind, norm_first):
+    """The layer calls its attention with need_weights=False; from_official(explicit=True) makes that
+    attention compute through the weights anyway, with the same numbers as PyTorch's layer."""
+    torch.manual_seed(0)
+    off = perturb(official_layer("gelu", norm_first))
+    ours = TransformerEncoderLayer.from_official(off, explicit=True)
+    calls = _record_kernel_calls(ours)
     run_both(ours, off, kind, "train")
-    assert calls == [False]  # the layer asked for the fused path, we forced the explicit one
+    assert calls == [(True, True)]  # the weights path ran (the fused one returns no weights)
+
+
+@pytest.mark.parametrize("kind", ["causal_padding", "per_head_4d"])
+def test_stack_with_explicit_attention_path_equals_official(kind):
+    """TransformerEncoder.from_official(explicit=True): every layer's attention on the weights path."""
+    torch.manual_seed(0)
+    off = perturb(nn.TransformerEncoder(official_layer("relu", False), 3, enable_nested_tensor=False))
+    ours = TransformerEncoder.from_official(off, explicit=True)
+    calls = _record_kernel_calls(ours)
+    run_both(ours, off, kind, "train", ours_kw="mask", off_kw="mask", real_only=True)
+    assert calls == [(True, True)] * 3
 
 
 @pytest.mark.parametrize("conversion", ["from_official", "to_official"])
@@ -260,26 +277,42 @@ def test_official_layer_fast_path_misreads_float_masks():
     assert (fast - regular).abs().max().item() > 0.1
 
 
-def test_compare_script_passes():
-    """scripts/compare_with_official.py (the README's table) runs, covers every mask kind, and passes."""
+def test_compare_passes_and_covers_every_mask_kind():
+    """mhalab-compare (make compare, the README's table) passes at its tolerance, for every mask kind."""
     import io
-    import runpy
-    from pathlib import Path
 
     from rich.console import Console
 
-    ns = runpy.run_path(
-        str(Path(__file__).resolve().parents[1] / "scripts" / "compare_with_official.py"),
-        run_name="compare_with_official",
-    )
+    from mhalab.analysis import compare
+
     buf = io.StringIO()
-    worst = ns["run"](Console(file=buf, width=120))
+    worst = compare.run(Console(file=buf, width=120))
     text = buf.getvalue()
-    assert worst <= TOL, text
-    for kind in ns["MASK_KINDS"]:
+    assert worst <= compare.TOL == TOL, text
+    for kind in compare.MASK_KINDS:
         assert f"mask: {kind}" in text
     assert "FAIL" not in text and "PASS" in text
     assert "article's `masked_fill(mask == 0, -1e9)` 0.2000" in text
+
+
+def test_compare_command_exits_1_above_its_tolerance_and_2_on_an_unknown_option(capsys):
+    """scripts/compare_with_official.py (make compare) passes argv to mhalab-compare: with a tolerance below
+    float32's rounding (diffs ~1e-7) it must fail, mark the rows, and exit 1."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from mhalab.analysis import compare
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "compare_with_official.py"
+    proc = subprocess.run([sys.executable, str(script), "tol=1e-9"], capture_output=True, text=True, timeout=300,
+                          check=False)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "(tolerance 1e-09): FAIL" in proc.stdout and "tolerance 1e-09." in proc.stdout
+    with pytest.raises(SystemExit) as e:
+        compare.main(["--tol", "1e-9"])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.startswith("error: unknown option '--tol' (options are key=value, e.g. tol=...)")
 
 
 # ---------------------------------------------------------------- converters
