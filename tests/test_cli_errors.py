@@ -28,7 +28,7 @@ from conftest import REPO, write_toy_sst2
 
 class Case(NamedTuple):
     id: str
-    script: str  # train.py, scripts/eval.py, scripts/attention_map.py
+    script: str  # train.py, scripts/eval.py, scripts/attention_map.py, or a console command (mhalab-*)
     args: list[str]  # after the base args for train.py; {tmp} and {run} are filled in
     message: str  # the expected last stderr line, after "error: "
     data: str | None = None  # train.py: paths.data_dir under {tmp} (None: the toy SST-2 dir)
@@ -117,12 +117,26 @@ CASES = [
                  "elsewhere (hydra.run.dir=<dir>)."),
     # ---------------------------------------------------------------- scripts
     Case("eval-no-ckpt-path", "scripts/eval.py", [],
-         "ckpt_path is required; usage: python scripts/eval.py ckpt_path=PATH [split=test|validation|train] "
-         "[data_dir=DIR] [batch_size=N] [out=FILE]"),
+         "ckpt_path is required: pass ckpt_path=<a .ckpt file, a run dir, or last>, e.g. ckpt_path=outputs/<run> "
+         "split=test."),
     Case("eval-ckpt-missing", "scripts/eval.py", [f"ckpt_path={MISSING}"],
          f"ckpt_path={MISSING} does not exist; pass a .ckpt file or a run dir."),
     Case("eval-unknown-split", "scripts/eval.py", ["ckpt_path={run}", "split=nosuch"],
          "split=nosuch is not a split of this data set; choose one of train, validation, test."),
+    # ---------------------------------------------------------------- console commands (pyproject's scripts)
+    Case("mhalab-eval-batch-size-0", "mhalab-eval", ["ckpt_path={run}", "batch_size=0"],
+         "batch_size=0 must be a positive integer."),
+    Case("predict-no-ckpt-path", "mhalab-predict", ["input={tmp}/notes.txt"],
+         "ckpt_path is required: mhalab-predict ckpt_path=<a .ckpt file or a run dir> input=<file.txt|.csv|.tsv|"
+         ".jsonl, or - for stdin> [output=preds.jsonl]."),
+    Case("predict-ckpt-missing", "mhalab-predict", [f"ckpt_path={MISSING}", "input={tmp}/notes.txt"],
+         f"ckpt_path={MISSING} does not exist; pass a .ckpt file or a run dir."),
+    Case("predict-input-missing", "mhalab-predict", ["ckpt_path={run}", "input={tmp}/no-such.txt"],
+         "input={tmp}/no-such.txt does not exist; pass a .txt file (one text per line), a .csv / .tsv / .jsonl "
+         "file (a 'text' column), or input=- (stdin)."),
+    Case("predict-no-text-column", "mhalab-predict", ["ckpt_path={run}", "input={tmp}/reviews.csv"],
+         "input={tmp}/reviews.csv has no column 'text' (its columns: review, stars); pass text_column=<the "
+         "column with the texts>."),
     Case("attention-map-ckpt-missing", "scripts/attention_map.py", [f"ckpt_path={MISSING}", "text=hi"],
          f"ckpt_path={MISSING} does not exist; pass a .ckpt file or a run dir."),
 ]
@@ -161,6 +175,7 @@ class _RunsCode:
 def _write_inputs(tmp: Path, toy: Path) -> None:
     """The bad files (the truncated checkpoint comes after training)."""
     (tmp / "notes.txt").write_text("these are my notes, not a checkpoint\n")
+    (tmp / "reviews.csv").write_text("review,stars\na fine film,4\n")  # mhalab-predict: no `text` column
     torch.save({"state_dict": {}, "payload": _RunsCode(tmp / CODE_RAN)}, tmp / "code.ckpt")
     # the payload is real: an unsafe load runs it (and the test's own marker is removed again)
     torch.load(tmp / "code.ckpt", weights_only=False)
