@@ -108,6 +108,13 @@ def test_txt_csv_tsv_jsonl_and_stdin_give_the_same_lines(trained, tmp_path, caps
     assert [x["text"] for x in lines] == TEXTS[:4] and all(x["label"] in NAMES for x in lines)
 
 
+def test_quotes_are_text_in_tsv_and_quoting_in_csv(tmp_path):
+    (tmp_path / "a.tsv").write_text('text\n"great" acting, "dull" plot\n')
+    (tmp_path / "a.csv").write_text('text,stars\n"great acting, dull plot",3\n')
+    assert read_texts(str(tmp_path / "a.tsv")) == ['"great" acting, "dull" plot']
+    assert read_texts(str(tmp_path / "a.csv")) == ["great acting, dull plot"]
+
+
 def test_command_line_reads_stdin_and_writes_only_json_lines(trained):
     code = "from mhalab.cli import predict; predict()"
     res = subprocess.run([sys.executable, "-c", code, f"ckpt_path={trained}", "input=-"], input="a good film\nbad\n",

@@ -25,7 +25,8 @@ from mhalab.data import Collate, encode_texts
 from mhalab.errors import ConfigError, DataError
 from mhalab.train import checkpoint
 
-DELIMITERS = {".csv": ",", ".tsv": "\t"}
+# (delimiter, quoting): csv quotes fields that hold commas; tsv has no quoting (a text may start with ")
+TABLES = {".csv": (",", csv.QUOTE_MINIMAL), ".tsv": ("\t", csv.QUOTE_NONE)}
 FORMATS = (".txt", ".csv", ".tsv", ".jsonl")
 WHAT = "a .txt file (one text per line), a .csv / .tsv / .jsonl file (a 'text' column), or input=- (stdin)"
 
@@ -49,7 +50,7 @@ def read_texts(source: str, text_column: str | None = None) -> list[str]:
                 elif suffix == ".jsonl":
                     texts = _jsonl_texts(f, source, column)
                 else:
-                    texts = _table_texts(f, source, column, DELIMITERS[suffix])
+                    texts = _table_texts(f, source, column, *TABLES[suffix])
         except UnicodeDecodeError as e:
             raise DataError(f"input={source} is not valid UTF-8 (byte {e.object[e.start]:#04x} at offset "
                             f"{e.start}); re-save it as UTF-8.") from None
@@ -58,8 +59,8 @@ def read_texts(source: str, text_column: str | None = None) -> list[str]:
     return texts
 
 
-def _table_texts(f, source: str, column: str, delimiter: str) -> list[str]:
-    reader = csv.DictReader(f, delimiter=delimiter)
+def _table_texts(f, source: str, column: str, delimiter: str, quoting: int) -> list[str]:
+    reader = csv.DictReader(f, delimiter=delimiter, quoting=quoting)
     if reader.fieldnames and column not in reader.fieldnames:
         raise DataError(f"input={source} has no column '{column}' (its columns: {', '.join(reader.fieldnames)}); "
                         f"pass text_column=<the column with the texts>.")
