@@ -34,7 +34,7 @@ TINY = ["++trainer.limit_train_batches=2", "++trainer.limit_val_batches=2", "++t
 SWEEP = ["seed=0"]
 ON_CPU = ["trainer.accelerator=cpu", "trainer.precision=32-true", "trainer.devices=1", "batch_size=4",
           "max_len=32", "layers=1"]
-BENCH = "--seq-lens 64 --reps 1 --warmup 0 --no-memory"
+BENCH = "seq_lens=[64] reps=1 warmup=0 memory=false"
 COMPOSE_ONLY = {"trainer=ddp": "needs GPUs", "hydra/launcher=slurm": "needs a SLURM cluster"}
 NOT_RUN = {("make", "test"): "this suite itself: CI runs it"}
 
