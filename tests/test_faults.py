@@ -74,8 +74,8 @@ def _assert_same_run(a: Path, b: Path) -> None:
     ra, rb = _rec(a), _rec(b)
     assert rb["status"] == "finished" and ra["global_step"] == rb["global_step"] == 50
     for key in ("val/loss", "val/acc"):
-        a, b = ra["last_epoch"], rb["last_epoch"]
-        assert abs(a[key] - b[key]) < 1e-6, (key, a, b)
+        last_a, last_b = ra["last_epoch"], rb["last_epoch"]
+        assert abs(last_a[key] - last_b[key]) < 1e-6, (key, last_a, last_b)
     assert ra["train_tokens"] == rb["train_tokens"]  # every token counted once over the attempts
     la, lb = _log(a), _log(b)
     assert lb["step"].is_monotonic_increasing  # one continuous log, no step twice
