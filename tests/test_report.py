@@ -523,9 +523,10 @@ def test_main_reads_key_value_options(sweep: Path, capsys: pytest.CaptureFixture
     assert main([str(sweep), "metric=val/loss"]) == 0
     assert "best by val/loss:" in capsys.readouterr().out
     assert "is a test metric" in _main_error(capsys, str(sweep), "metric=test/acc")
-    assert "unknown option '--metric'" in _main_error(capsys, str(sweep), "--metric", "val/loss")
+    assert "options are key=value, e.g. metric=" in _main_error(capsys, str(sweep), "--metric=val/loss")
     assert "unknown option 'metrc=val/loss'" in _main_error(capsys, str(sweep), "metrc=val/loss")
     assert "give one sweep dir, not 0" in _main_error(capsys, "metric=val/acc")
+    assert "give one sweep dir, not 2" in _main_error(capsys, str(sweep), "val/loss")  # metric without metric=
     assert "is not a directory" in _main_error(capsys, str(sweep / "nowhere"))
 
 

@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import logging
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pandas as pd
 
+from mhalab.analysis.options import HELP_WORDS, doc, parse
 from mhalab.analysis.report.collect import RESULT_COLUMNS, NoMembersError, collect_results, setting_of
 from mhalab.analysis.report.plots import (
     PLOT_ACC_VS_SWEPT,
@@ -119,41 +121,32 @@ def write_report(multirun_dir: str | Path, metric: str = DEFAULT_METRIC) -> dict
     }
 
 
-USAGE = "usage: mhalab-report <sweep dir> [metric=val/acc]"
-OPTIONS = {"metric": DEFAULT_METRIC}  # key=value options and their defaults
+@dataclass
+class ReportOptions:
+    """mhalab-report's key=value options (after the sweep dir)."""
+
+    metric: str = field(default=DEFAULT_METRIC, metadata=doc("the validation metric that ranks settings and "
+                                                             "decides verdicts (never a test metric)"))
 
 
-def _parse_args(argv: list[str]) -> tuple[Path, dict[str, str]]:
-    """`<dir> [key=value ...]`, Hydra's style; a mistake is a ConfigError naming it and the fix."""
-    dirs, opts = [], dict(OPTIONS)
-    for arg in argv:
-        key, eq, value = arg.partition("=")
-        if arg.startswith("-"):
-            raise ConfigError(f"unknown option '{arg}': options are key=value, e.g. "
-                              f"{key.lstrip('-')}=... ({USAGE})")
-        if not eq:
-            dirs.append(arg)
-        elif key in ("dir", "multirun_dir"):
-            dirs.append(value)
-        elif key in opts:
-            opts[key] = value
-        else:
-            raise ConfigError(f"unknown option '{arg}': the options are {', '.join(f'{k}=' for k in OPTIONS)} "
-                              f"({USAGE})")
-    if len(dirs) != 1:
-        raise ConfigError(f"give one sweep dir, not {len(dirs)} ({USAGE})")
-    return Path(dirs[0]), opts
+USAGE = __doc__.splitlines()[0] + "\n\n    mhalab-report <sweep dir> [metric=val/acc]"
+
+
+def _sweep_dir(argv: list[str]) -> tuple[Path, list[str]]:
+    """The one word that names the sweep dir (no '=' in it, or an existing path), and the options."""
+    dirs = [w for w in argv if w not in HELP_WORDS and not w.startswith("-") and ("=" not in w or Path(w).exists())]
+    if len(dirs) != 1 and not any(w in HELP_WORDS for w in argv):
+        raise ConfigError(f"give one sweep dir, not {len(dirs)}{': ' + ' '.join(dirs) if dirs else ''} "
+                          "(usage: mhalab-report <sweep dir> [metric=val/acc])")
+    return Path(dirs[0]) if dirs else Path(), [w for w in argv if w not in dirs]
 
 
 @one_line_errors
 def main(argv: list[str] | None = None) -> int:
     """mhalab-report: write the report of a sweep dir; `error: ...` and exit 2 for a missing or empty dir."""
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if argv and argv[0] in ("-h", "--help"):
-        print(f"{USAGE}\n\n{__doc__.strip()}")
-        return 0
-    sweep_dir, opts = _parse_args(argv)
-    res = write_report(sweep_dir, metric=opts["metric"])
+    sweep_dir, words = _sweep_dir(sys.argv[1:] if argv is None else list(argv))
+    opts = parse(ReportOptions, words, "mhalab-report", USAGE)
+    res = write_report(sweep_dir, metric=opts.metric)
     print(f"members: {res['n_members']} ({res['n_finished']} finished, {len(res['failed'])} failed or incomplete)")
     best = res["best_setting"]
     if best:
