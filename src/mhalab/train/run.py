@@ -1,8 +1,9 @@
 """One training run: validate the config, build data and model, fit, test the best checkpoint, write results.
 
 Every run writes into its own Hydra output dir, which one live process holds (mhalab.train.rundir):
-  metrics.json      status, final and best metrics, params, wall time, throughput, the resolved config,
-                    and one entry per attempt when the run was interrupted and resumed (mhalab.train.record)
+  metrics.json      status, best (the best checkpoint: val/*, test/*) and last_epoch (val/*) metrics, params,
+                    wall time, throughput, the resolved config, and one entry per attempt when the run was
+                    interrupted and resumed (the schema: mhalab.train.record)
   logs/metrics.csv  Lightning's CSV log (train/loss per step, val/* per epoch, lr), continued across attempts
   loss_curves.png   train and val loss and val acc, drawn from metrics.csv
   checkpoints/      best (by val/acc), and last.ckpt (every epoch, every N steps, and on Ctrl-C / SIGTERM)
