@@ -19,9 +19,8 @@ import torch.nn.functional as F
 from hydra import compose, initialize_config_dir
 
 from mhalab.analysis.options import doc, parse
-from mhalab.cli import one_line_errors
 from mhalab.data import TextClassificationDataModule
-from mhalab.errors import ConfigError
+from mhalab.errors import ConfigError, one_line_errors
 from mhalab.model import SequenceClassifier
 from mhalab.train.config import CONF_DIR  # (and registers the configs' resolvers)
 

@@ -1,41 +1,12 @@
-"""What every command does with a user's mistake: one line, `error: <message>`, and exit status 2.
+"""The console commands (pyproject's [project.scripts]): mhalab-train, mhalab-eval, mhalab-predict.
 
-A `mhalab.errors.UserError` names the value and the fix; its traceback would only hide that line.
-`HYDRA_FULL_ERROR=1` (Hydra's own switch) shows the traceback anyway. Every other exception is a bug
-and keeps its traceback.
+mhalab-report, mhalab-bench and mhalab-compare live with their code in mhalab.analysis. Every command
+prints a user's mistake as one line and exits 2 (mhalab.errors.one_line_errors).
 """
 
 from __future__ import annotations
 
-import functools
-import os
-import sys
-
-from mhalab.errors import UserError
-
-USER_ERROR_EXIT = 2
-
-
-def exit_with(error: UserError) -> None:
-    """Print a user error as one line and exit 2 (or raise it, for the traceback, under HYDRA_FULL_ERROR=1)."""
-    if os.environ.get("HYDRA_FULL_ERROR") == "1":
-        raise error
-    print(f"error: {error}", file=sys.stderr, flush=True)
-    sys.exit(USER_ERROR_EXIT)
-
-
-def one_line_errors(fn):
-    """Decorate a command's entry function (under @hydra.main too) so user errors print as one line."""
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        except UserError as e:
-            exit_with(e)
-
-    return wrapper
-
+from mhalab.errors import exit_with, one_line_errors  # noqa: F401  (the commands' one error style)
 
 # ------------------------------------------------------------------------------------ console scripts
 # Each imports what it needs when it runs, so `import mhalab.cli` stays cheap. Hydra's key=value style for all.

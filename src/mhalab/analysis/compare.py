@@ -28,8 +28,7 @@ from rich.table import Table
 from torch import Tensor, nn
 
 from mhalab.analysis.options import doc, parse
-from mhalab.cli import one_line_errors
-from mhalab.errors import ConfigError
+from mhalab.errors import ConfigError, one_line_errors
 from mhalab.nn.attention import MultiHeadAttention
 from mhalab.nn.encoder import TransformerEncoderLayer
 

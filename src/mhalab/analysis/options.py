@@ -3,7 +3,7 @@
 The project's one command-line style, Hydra's: `key=value` words (`reps=3`, `quick=true`,
 `seq_lens=[128,1024]`, `out=null`), read by OmegaConf.from_cli and merged onto a dataclass of the
 defaults, so each value is typed and checked as it is read. An unknown key or a value of the wrong
-type is a ConfigError naming it; the commands print it as `error: ...` and exit 2 (mhalab.cli).
+type is a ConfigError naming it; the commands print it as `error: ...` and exit 2 (mhalab.errors.one_line_errors).
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ from omegaconf import DictConfig
 
 
 def _check_writable(run_dir: str) -> None:
-    from mhalab.cli import exit_with
+    from mhalab.errors import exit_with
     from mhalab.train.rundir import unwritable
 
     d = Path(run_dir)
@@ -28,7 +28,7 @@ def _check_writable(run_dir: str) -> None:
 
 class CheckRunDir(Callback):
     """Hydra writes its own log into the run dir before our code runs: check the dir first, so a read-only
-    one is one line (mhalab.cli), not Hydra's traceback from its logging set-up."""
+    one is one line (mhalab.errors.exit_with), not Hydra's traceback from its logging set-up."""
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         _check_writable(str(config.hydra.run.dir))

@@ -140,7 +140,7 @@ def _run(cfg: DictConfig, out: Path) -> float:
         attempt.update(status="finished", wall_time_s=time.time() - t0)
         rec.update(status="finished", **_totals(attempts))
         record.write(out, rec)
-        from mhalab.analysis.curves import loss_curves
+        from mhalab.train.curves import loss_curves
 
         if (out / "logs" / "metrics.csv").exists():
             loss_curves(out / "logs" / "metrics.csv", out / "loss_curves.png")

@@ -17,7 +17,7 @@ from mhalab.analysis.bench.config import parse_config
 from mhalab.analysis.bench.measure import Row, measure
 from mhalab.analysis.bench.render import console, device_name, markdown, plot
 from mhalab.analysis.bench.targets import run_targets
-from mhalab.cli import one_line_errors
+from mhalab.errors import one_line_errors
 
 
 @one_line_errors

@@ -44,8 +44,7 @@ from mhalab.analysis.report.stats import (
     valid_mask,
 )
 from mhalab.analysis.report.verdicts import compute_verdicts
-from mhalab.cli import one_line_errors
-from mhalab.errors import ConfigError
+from mhalab.errors import ConfigError, one_line_errors
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,82 @@
+"""The package's layout is its architecture: imports point down (nn <- model <- train <- analysis, data beside
+model), the building blocks need nothing but torch, and importing the library changes nothing global."""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import mhalab
+
+SRC = Path(mhalab.__file__).parent
+# a module may import its own layer and the ones below; errors.py is everyone's
+LAYER = {"errors": 0, "nn": 1, "model": 2, "data": 2, "train": 3, "analysis": 4, "cli": 5}
+TORCH_ONLY = ("nn", "model")  # and the package root: what `import mhalab` loads
+FRAMEWORKS = ("lightning", "hydra", "omegaconf", "datasets", "matplotlib", "tokenizers", "pandas", "wandb")
+
+
+def _part(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if parts[0] == "mhalab" and len(parts) > 1 else None
+
+
+def _imports(path: Path) -> list[str]:
+    """Every module a file imports, at any depth (lazy imports inside functions count too)."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.append(node.module)
+            if node.module == "mhalab":  # `from mhalab import x`: x is a part of the package
+                out += [f"mhalab.{a.name}" for a in node.names]
+    return out
+
+
+FILES = sorted(p for p in SRC.rglob("*.py") if p.relative_to(SRC).parts[0] != "__init__.py")
+
+
+@pytest.mark.parametrize("path", FILES, ids=[str(p.relative_to(SRC)) for p in FILES])
+def test_imports_point_down_the_layers(path):
+    own = path.relative_to(SRC).parts[0].removesuffix(".py")
+    up = [m for m in _imports(path) if _part(m) in LAYER and LAYER[_part(m)] > LAYER[own]]
+    assert not up, f"{path.relative_to(SRC)} ({own}) imports from a layer above it: {up}"
+
+
+@pytest.mark.parametrize("path", [p for p in FILES if p.relative_to(SRC).parts[0].removesuffix(".py") in TORCH_ONLY],
+                         ids=lambda p: str(p.relative_to(SRC)))
+def test_building_blocks_import_no_framework(path):
+    used = [m for m in _imports(path) if m.split(".")[0] in FRAMEWORKS]
+    assert not used, f"{path.relative_to(SRC)} imports {used}: nn/ and model.py are pure torch"
+
+
+def test_importing_the_library_loads_torch_only_and_changes_no_global_state():
+    code = f"""
+import json, os, sys, warnings
+import torch  # torch adds its own warning filters; the question is what mhalab adds
+env, filters = dict(os.environ), list(warnings.filters)
+import mhalab, mhalab.nn
+from mhalab import MultiHeadAttention, ScaledDotProductAttention, SequenceClassifier, TransformerEncoder
+from mhalab import TransformerEncoderLayer
+loaded = sorted({{m.split(".")[0] for m in sys.modules}} & set({list(FRAMEWORKS)!r}))
+print(json.dumps({{"loaded": loaded, "env": dict(os.environ) == env, "filters": list(warnings.filters) == filters}}))
+"""
+    out = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
+    assert out == {"loaded": [], "env": True, "filters": True}
+
+
+def test_library_names_are_the_documented_classes():
+    from mhalab.model import SequenceClassifier
+    from mhalab.nn.attention import MultiHeadAttention, ScaledDotProductAttention
+    from mhalab.nn.encoder import TransformerEncoder, TransformerEncoderLayer
+
+    assert (mhalab.ScaledDotProductAttention, mhalab.MultiHeadAttention, mhalab.TransformerEncoderLayer,
+            mhalab.TransformerEncoder, mhalab.SequenceClassifier) == (
+        ScaledDotProductAttention, MultiHeadAttention, TransformerEncoderLayer, TransformerEncoder, SequenceClassifier)
+    assert sorted(mhalab.__all__) == sorted(["ScaledDotProductAttention", "MultiHeadAttention", "TransformerEncoderLayer",
+                                             "TransformerEncoder", "SequenceClassifier"])
