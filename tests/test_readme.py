@@ -37,6 +37,8 @@ ON_CPU = ["trainer.accelerator=cpu", "trainer.precision=32-true", "trainer.devic
 BENCH = "seq_lens=[64] reps=1 warmup=0 memory=false"
 COMPOSE_ONLY = {"trainer=ddp": "needs GPUs", "hydra/launcher=slurm": "needs a SLURM cluster"}
 NOT_RUN = {("make", "test"): "this suite itself: CI runs it"}
+SCRIPTS = ("mhalab-train", "mhalab-eval", "mhalab-predict", "mhalab-report", "mhalab-bench", "mhalab-compare",
+           "mhalab-attention-map")  # pyproject's [project.scripts]
 
 
 def readme_commands() -> list[list[str]]:
@@ -47,21 +49,30 @@ def readme_commands() -> list[list[str]]:
             continue
         if block == "bash" and line.strip():
             words = shlex.split(line, comments=True)
-            if words and words[0] in ("python", "make") and tuple(words[:2]) not in NOT_RUN:
+            if words and (words[0] in ("python", "make") or words[0] in SCRIPTS) and tuple(words[:2]) not in NOT_RUN:
                 cmds.append(words)
     return cmds
+
+
+def _is_train(words: list[str]) -> bool:
+    return words[0] == "mhalab-train" or words[:2] == ["python", "train.py"]
+
+
+def _argv(words: list[str]) -> list[str]:
+    """What runs: a console script from the venv the suite runs in (as `make` installs it), or its python."""
+    return [str(VENV / "bin" / words[0]), *words[1:]] if words[0] in SCRIPTS else [sys.executable, *words[1:]]
 
 
 COMMANDS = readme_commands()
 
 
 def readme_examples() -> list[tuple[str, str]]:
-    """(command, the line it prints) for each `$ python ...` line of the README's plain ``` blocks."""
+    """(command, the line it prints) for each `$ python ...` / `$ mhalab-...` line of the README's plain ``` blocks."""
     lines, block, out = README.read_text().splitlines(), None, []
     for i, line in enumerate(lines):
         if line.startswith("```"):
             block = line[3:].strip() if block is None else None
-        elif block == "" and line.startswith("$ python "):
+        elif block == "" and line.startswith(("$ python ", "$ mhalab-")):
             out.append((line[2:], lines[i + 1]))
     return out
 
@@ -72,11 +83,33 @@ EXAMPLES = readme_examples()
 @pytest.mark.parametrize("command, printed", EXAMPLES, ids=[_c for _c, _ in EXAMPLES])
 def test_readme_example_prints_what_the_readme_shows(command, printed, tmp_path):
     # as typed, with the repo's defaults: a user error comes before any data is read (nothing to append)
-    words = shlex.split(command)
-    proc = subprocess.run([sys.executable, *words[1:], f"hydra.run.dir={tmp_path / 'run'}"], cwd=REPO,
+    proc = subprocess.run([*_argv(shlex.split(command)), f"hydra.run.dir={tmp_path / 'run'}"], cwd=REPO,
                           capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert proc.stderr.strip().splitlines()[-1] == printed
+
+
+def readme_python_blocks() -> list[str]:
+    """The README's ```python blocks (the library examples): each asserts its own result."""
+    blocks, block, lines = [], None, []
+    for line in README.read_text().splitlines():
+        if line.startswith("```"):
+            if block == "python":
+                blocks.append("\n".join(lines))
+            block, lines = (line[3:].strip(), []) if block is None else (None, [])
+        elif block is not None:
+            lines.append(line)
+    return blocks
+
+
+PYTHON_BLOCKS = readme_python_blocks()
+
+
+@pytest.mark.parametrize("code", PYTHON_BLOCKS, ids=[f"python-{i}" for i in range(len(PYTHON_BLOCKS))])
+def test_readme_python_example_holds(code, tmp_path):
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          check=False)
+    assert proc.returncode == 0 and "assert" in code, proc.stderr[-3000:]
 
 
 def _id(words: list[str]) -> str:
@@ -86,12 +119,13 @@ def _id(words: list[str]) -> str:
 def test_readme_has_the_commands_this_test_expects():
     # the placeholders below are filled from earlier lines: the README must keep that order
     text = [" ".join(w) for w in COMMANDS]
-    first_run = next(i for i, t in enumerate(text) if t.startswith("python train.py") and " -m" not in t)
+    first_run = next(i for i, w in enumerate(COMMANDS) if _is_train(w) and "-m" not in w)
     assert all(i > first_run for i, t in enumerate(text) if "<run>" in t)
     first_sweep = next(i for i, t in enumerate(text) if " -m " in t or "sweep=" in t)
     assert all(i > first_sweep for i, t in enumerate(text) if "<sweep>" in t)
     assert len(COMMANDS) >= 25, text
     assert len(EXAMPLES) >= 2, EXAMPLES
+    assert PYTHON_BLOCKS, "the library example"
 
 
 @pytest.fixture(scope="module")
@@ -116,8 +150,8 @@ def _expand(words: list[str], state: dict) -> tuple[list[str], str]:
             args = next((w.split("=", 1)[1] for w in words if w.startswith("ARGS=")), "")
             return [*[w for w in make if not w.startswith("ARGS=")], f"ARGS={args} {BENCH}"], "plain"
         return make, "plain"
-    cmd = [sys.executable, *words[1:]]
-    if words[1] != "train.py":
+    cmd = _argv(words)
+    if not _is_train(words):
         return cmd, "plain"
     if any(key in line for key in COMPOSE_ONLY):
         return [*cmd, "--cfg", "job"], "compose"
@@ -135,6 +169,8 @@ def _expand(words: list[str], state: dict) -> tuple[list[str], str]:
 @pytest.mark.parametrize("words", COMMANDS, ids=[_id(w) for w in COMMANDS])
 def test_readme_command_runs_as_written(words, checkout):
     cmd, kind = _expand(words, checkout)
+    if words[0] == "mhalab-predict":  # the README's input file, one text per line
+        (checkout["root"] / "texts.txt").write_text("a gripping , funny film\nflat , dull and far too long\n")
     env = dict(os.environ, MHALAB_CACHE_DIR=str(REPO / ".cache"), WANDB_MODE="offline", PYTHONHASHSEED="0")
     proc = subprocess.run(cmd, cwd=checkout["root"], env=env, capture_output=True, text=True, timeout=900,
                           check=False)
@@ -159,9 +195,13 @@ def test_readme_command_runs_as_written(words, checkout):
             checkout["sweep"] = sweep_dir
     elif kind == "compose":
         assert "model:" in proc.stdout and "trainer:" in proc.stdout
-    if words[1:2] == ["scripts/eval.py"]:
+    if words[0] == "mhalab-eval" or words[1:2] == ["scripts/eval.py"]:
         assert "test/acc" in proc.stdout
+    if words[0] == "mhalab-predict":
+        out_file = next((w.split("=", 1)[1] for w in words if w.startswith("output=")), None)
+        lines = ((checkout["root"] / out_file).read_text() if out_file else proc.stdout).splitlines()
+        assert len(lines) == 2 and all('"label"' in x and '"probs"' in x for x in lines), lines
     if words[1:2] == ["compare"]:
         assert "PASS" in proc.stdout
-    if words[1:2] == ["scripts/report.py"]:
+    if words[0] == "mhalab-report" or words[1:2] == ["scripts/report.py"]:
         assert "members" in (checkout["sweep"] / "report.md").read_text()

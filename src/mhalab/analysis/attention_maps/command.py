@@ -19,7 +19,7 @@ from mhalab.analysis.attention_maps.tokens import encode_text
 from mhalab.analysis.attention_maps.weights import NoAttentionWeights, attention_weights, check_has_weights
 from mhalab.errors import ConfigError, UserError
 
-USAGE = ('usage: python scripts/attention_map.py ckpt_path=PATH text="..." [out=attention_map.png] [max_len=N] '
+USAGE = ('usage: mhalab-attention-map ckpt_path=PATH text="..." [out=attention_map.png] [max_len=N] '
          '[device=cpu] [dpi=110]')
 DEFAULTS = {"out": "attention_map.png", "max_len": None, "device": "cpu", "dpi": "110"}
 KEYS = ("ckpt_path", "text", *DEFAULTS)
