@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -26,9 +27,12 @@ TINY = ["max_epochs=1", "++trainer.limit_train_batches=3", "++trainer.limit_val_
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("install")
-    wheels, site = root / "wheels", root / "site"
+    wheels, site, src = root / "wheels", root / "site", root / "src"
+    # built from a copy: setuptools writes build/ and *.egg-info into the tree it builds
+    shutil.copytree(REPO, src, ignore=shutil.ignore_patterns(".venv", ".git", ".cache", "outputs", "multirun", "build",
+                                                              "*.egg-info", "__pycache__", ".*_cache", "wandb", "results"))
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(wheels),
-                    str(REPO)], check=True, capture_output=True, cwd=root)
+                    str(src)], check=True, capture_output=True, cwd=root)
     (wheel,) = wheels.glob("mhalab-*.whl")
     subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(site), str(wheel)],
                    check=True, capture_output=True, cwd=root)
