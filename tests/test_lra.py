@@ -15,9 +15,11 @@ from conftest import SHARED_DATA, compose_train
 from torch.utils.data import DataLoader
 
 from mhalab.analysis.lra import LRA_PAPER, collect_lra, write_lra_table
+from mhalab.analysis.lra import main as lra_main
 from mhalab.analysis.sweep_callbacks import LRATableCallback
 from mhalab.data import Collate
 from mhalab.data.subset import SubsetDataModule
+from mhalab.errors import RunDirError
 from mhalab.train.callbacks import PerfMonitor
 from mhalab.train.memory import peak_memory_mb, reset_peak_memory
 from mhalab.train.module import Classifier
@@ -170,8 +172,22 @@ def test_lra_table_from_a_sweep_dir(tmp_path):
     assert "Performer 18.01 / 65.40" in md and "Different scale" in md and "RuntimeError: boom" in md
     assert Path(res["plot"]).read_bytes()[:4] == b"\x89PNG"
     assert set(LRA_PAPER) == {"full", "window", "linformer", "performer"}
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(RunDirError, match="no metrics.json under"):
         write_lra_table(tmp_path / "empty")
+
+
+def test_lra_table_command_takes_key_value_options_and_refuses_mistakes_in_one_line(tmp_path, capsys):
+    _fake_member(tmp_path, "listops", "full", 0.2)
+    assert lra_main([str(tmp_path), f"out={tmp_path / 'o' / 't.md'}", "title=My table"]) == 0
+    assert (tmp_path / "o" / "t.md").read_text().startswith("# My table")
+    for argv, line in [([str(tmp_path / "empty")], "no metrics.json under"),
+                       ([str(tmp_path), "--out=x.md"], "options are key=value, e.g. out="),
+                       ([str(tmp_path), "retime=maybe"], "retime=maybe is not valid"),
+                       ([], "give one sweep dir, not 0")]:
+        with pytest.raises(SystemExit) as e:
+            lra_main(argv)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert e.value.code == 2 and len(err) == 1 and err[0].startswith("error: ") and line in err[0], (argv, err)
 
 
 def test_lra_rows_read_old_and_new_records_alike(tmp_path):

@@ -1,7 +1,7 @@
 """The LRA-style table of a long-sequence sweep: accuracy, time per step and peak memory per attention
 kind per task, side by side with the Long Range Arena paper's Table 1.
 
-`write_lra_table(sweep_dir, out)` writes the markdown and its plot (`scripts/lra_table.py`, and at the
+`write_lra_table(sweep_dir, out)` writes the markdown and its plot (`mhalab-lra-table`, and at the
 end of a `sweep=lra` multirun through mhalab.analysis.sweep_callbacks.LRATableCallback). The numbers come
 from each member's metrics.json (mhalab.train.record) and perf.json (mhalab.train.callbacks.PerfMonitor:
 median time per training step, peak memory over the fit); `retime=True` adds a section re-measured with
@@ -13,10 +13,14 @@ from __future__ import annotations
 import json
 import logging
 import math
+import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from mhalab.analysis.lra_timing import retime_rows
+from mhalab.analysis.options import doc, parse, split_dir
+from mhalab.errors import RunDirError, one_line_errors
 from mhalab.model import ATTENTIONS
 from mhalab.train import record
 
@@ -202,7 +206,8 @@ def write_lra_table(sweep_dir: str | Path, out: str | Path | None = None, title:
     retime: also re-measure the step time of every kind, interleaved, at each task's length."""
     rows = collect_lra(sweep_dir)
     if not rows:
-        raise FileNotFoundError(f"no metrics.json under {sweep_dir}: not a sweep dir of training runs.")
+        raise RunDirError(f"no metrics.json under {sweep_dir}: not a sweep dir of training runs "
+                          f"(e.g. multirun/lra after mhalab-train sweep=lra hydra.sweep.dir=multirun/lra).")
     if retime:
         notes = notes + "\n\n## Step time re-measured side by side\n\n" + retime_rows(rows, retime_reps) + (
             "\n\nThe sweep's own ms / step come from runs made one after the other, each under whatever load "
@@ -214,3 +219,29 @@ def write_lra_table(sweep_dir: str | Path, out: str | Path | None = None, title:
                                "\n\n".join(x for x in (settings_notes(rows), notes) if x), plot.name)
     out.write_text(text)
     return {"markdown": str(out), "plot": str(plot), "rows": rows}
+
+
+@dataclass
+class TableOptions:
+    """mhalab-lra-table's key=value options (after the sweep dir)."""
+
+    out: str | None = field(default=None, metadata=doc("markdown path (default <sweep dir>/lra_table.md)"))
+    title: str | None = field(default=None, metadata=doc("the table's title"))
+    notes: str = field(default="", metadata=doc("markdown put under the title (how the runs were made)"))
+    notes_file: str | None = field(default=None, metadata=doc("read the notes from this file"))
+    retime: bool = field(default=False, metadata=doc("also re-time a step of every kind, interleaved (minutes)"))
+    retime_reps: int = field(default=5, metadata=doc("repetitions of each re-timing"))
+
+
+USAGE = "mhalab-lra-table <sweep dir> [out=results/lra/README.md] [retime=true] [notes_file=notes.md]"
+
+
+@one_line_errors
+def main(argv: list[str] | None = None) -> int:
+    """mhalab-lra-table: the table of a long-sequence sweep; `error: ...` and exit 2 for a dir with no runs."""
+    sweep_dir, words = split_dir(sys.argv[1:] if argv is None else argv, USAGE)
+    o = parse(TableOptions, words, "mhalab-lra-table", __doc__.splitlines()[0] + "\n\n    " + USAGE)
+    notes = Path(o.notes_file).read_text() if o.notes_file else o.notes
+    res = write_lra_table(sweep_dir, o.out, o.title, notes, retime=o.retime, retime_reps=o.retime_reps)
+    print(f"{len(res['rows'])} runs; wrote {res['markdown']} and {res['plot']}")
+    return 0

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, TypeVar
 
 from omegaconf import OmegaConf
@@ -78,3 +79,13 @@ def parse(schema: type[T], argv: Sequence[str], prog: str, doc: str = "") -> T:
         default = _show(_default(f)) if f is not None else "?"
         raise ConfigError(f"{key}={given} is not valid ({reason}); the default is {key}={default} "
                           f"(see {prog} --help).") from None
+
+
+def split_dir(argv: Sequence[str], usage: str) -> tuple[Path, list[str]]:
+    """(the one word that names a dir: no '=' in it, or an existing path; the key=value words)."""
+    argv = list(argv)
+    dirs = [w for w in argv if w not in HELP_WORDS and not w.startswith("-") and ("=" not in w or Path(w).exists())]
+    if len(dirs) != 1 and not any(w in HELP_WORDS for w in argv):
+        raise ConfigError(f"give one sweep dir, not {len(dirs)}{': ' + ' '.join(dirs) if dirs else ''} "
+                          f"(usage: {usage})")
+    return Path(dirs[0]) if dirs else Path(), [w for w in argv if w not in dirs]

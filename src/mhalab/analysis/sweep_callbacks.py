@@ -77,4 +77,4 @@ class LRATableCallback(Callback):
             res = write_lra_table(sweep_dir(config))
             log.info("LRA table: %s", res["markdown"])
         except Exception:  # a table failure must never fail the sweep
-            log.exception("LRA table failed (re-run: python scripts/lra_table.py <sweep dir>)")
+            log.exception("LRA table failed (re-run: mhalab-lra-table <sweep dir>)")

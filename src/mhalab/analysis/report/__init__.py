@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from mhalab.analysis.options import HELP_WORDS, doc, parse
+from mhalab.analysis.options import doc, parse, split_dir
 from mhalab.analysis.report.collect import RESULT_COLUMNS, NoMembersError, collect_results, setting_of
 from mhalab.analysis.report.plots import (
     PLOT_ACC_VS_SWEPT,
@@ -131,19 +131,10 @@ class ReportOptions:
 USAGE = __doc__.splitlines()[0] + "\n\n    mhalab-report <sweep dir> [metric=val/acc]"
 
 
-def _sweep_dir(argv: list[str]) -> tuple[Path, list[str]]:
-    """The one word that names the sweep dir (no '=' in it, or an existing path), and the options."""
-    dirs = [w for w in argv if w not in HELP_WORDS and not w.startswith("-") and ("=" not in w or Path(w).exists())]
-    if len(dirs) != 1 and not any(w in HELP_WORDS for w in argv):
-        raise ConfigError(f"give one sweep dir, not {len(dirs)}{': ' + ' '.join(dirs) if dirs else ''} "
-                          "(usage: mhalab-report <sweep dir> [metric=val/acc])")
-    return Path(dirs[0]) if dirs else Path(), [w for w in argv if w not in dirs]
-
-
 @one_line_errors
 def main(argv: list[str] | None = None) -> int:
     """mhalab-report: write the report of a sweep dir; `error: ...` and exit 2 for a missing or empty dir."""
-    sweep_dir, words = _sweep_dir(sys.argv[1:] if argv is None else list(argv))
+    sweep_dir, words = split_dir(sys.argv[1:] if argv is None else argv, "mhalab-report <sweep dir> [metric=val/acc]")
     opts = parse(ReportOptions, words, "mhalab-report", USAGE)
     res = write_report(sweep_dir, metric=opts.metric)
     print(f"members: {res['n_members']} ({res['n_finished']} finished, {len(res['failed'])} failed or incomplete)")
