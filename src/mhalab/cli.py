@@ -6,7 +6,7 @@ prints a user's mistake as one line and exits 2 (mhalab.errors.one_line_errors).
 
 from __future__ import annotations
 
-from mhalab.errors import exit_with, one_line_errors  # noqa: F401  (the commands' one error style)
+from mhalab.errors import one_line_errors
 
 # ------------------------------------------------------------------------------------ console scripts
 # Each imports what it needs when it runs, so `import mhalab.cli` stays cheap. Hydra's key=value style for all.
