@@ -40,12 +40,17 @@ class EncodedSplit(Dataset):
 class Collate:
     """Pads a list of (ids, label) to the longest in the batch, or to `pad_to` (fixed-length
     batches, only to measure what dynamic padding saves). A class, not a closure, so DataLoader
-    workers can pickle it."""
+    workers can pickle it.
+
+    A batch: input_ids (B, L), padding_mask (B, L) True at pads, labels (B,), lengths (B,), and
+    num_tokens, the real (non-pad) tokens as a Python int: counted here, on the CPU, so that the
+    training side (the throughput monitor, the FLOPs per batch) reads it without a host sync of a
+    device tensor (Lightning's device transfer moves tensors only; an int stays an int)."""
 
     def __init__(self, pad_id: int = 0, pad_to: int | None = None):
         self.pad_id, self.pad_to = pad_id, pad_to
 
-    def __call__(self, items: Sequence[tuple[Tensor, int]]) -> dict[str, Tensor]:
+    def __call__(self, items: Sequence[tuple[Tensor, int]]) -> dict[str, Tensor | int]:
         lengths = torch.tensor([len(ids) for ids, _ in items], dtype=torch.long)
         width = self.pad_to or int(lengths.max())
         if int(lengths.max()) > width:
@@ -58,6 +63,7 @@ class Collate:
             "padding_mask": torch.arange(width)[None, :] >= lengths[:, None],  # True at pads
             "labels": torch.tensor([label for _, label in items], dtype=torch.long),
             "lengths": lengths,
+            "num_tokens": int(lengths.sum()),
         }
 
 
