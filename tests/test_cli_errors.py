@@ -76,6 +76,9 @@ CASES = [
     Case("dev-split-2", "train.py", ["data.dev_split=2"],
          "data config 'sst2': dev_split=2 must be a fraction in (0, 1), e.g. 0.1, or null (this data set has a "
          "validation file: null uses it)."),
+    Case("enforce-tags-without-tags", "train.py", ["extras.enforce_tags=true"],
+         "extras.enforce_tags=true but the run has no tags; pass tags=[baseline,heads] (any names that let you "
+         "find the run later), or extras.enforce_tags=false."),
     # ---------------------------------------------------------------- checkpoints
     Case("ckpt-missing", "train.py", [f"ckpt_path={MISSING}"],
          f"ckpt_path={MISSING} does not exist; pass a .ckpt file or a run dir."),

@@ -159,6 +159,12 @@ def validate(cfg: DictConfig) -> None:
             raise ConfigError(f"max_epochs={epochs} would train forever and the lr schedule needs a length; set "
                               f"max_epochs >= 1, or trainer.max_steps=N.")
     _int(cfg, "seed", 0)
+    from mhalab.train.loggers import check_installed
+
+    check_installed(OmegaConf.to_container(cfg.get("logger") or {}, resolve=False))
+    if OmegaConf.select(cfg, "extras.enforce_tags") and not cfg.get("tags"):
+        raise ConfigError("extras.enforce_tags=true but the run has no tags; pass tags=[baseline,heads] (any "
+                          "names that let you find the run later), or extras.enforce_tags=false.")
     if cfg.get("ckpt_path"):
         from mhalab.train import checkpoint
 

@@ -1,4 +1,5 @@
-"""Logger set-up that needs code, not just config: wandb that never hangs and resumes its run.
+"""Logger set-up that needs code, not just config: the optional packages a logger needs, and wandb that never
+hangs and resumes its run.
 
 wandb with an API key but no way to reach its server does not fall back to offline by itself: wandb.init()
 waits for `init_timeout` (90 s) and then raises. So before a run starts, `prepare_wandb` looks for the key the
@@ -8,6 +9,7 @@ connection to the server (or to the proxy wandb would use) for a few seconds; un
 
 from __future__ import annotations
 
+import importlib.util
 import ipaddress
 import logging
 import netrc
@@ -23,6 +25,21 @@ log = logging.getLogger("mhalab")
 REACH_TIMEOUT_S = 3.0  # the whole reachability check (name lookup included) gives up after this
 FALLBACK_BASE_URL = "https://api.wandb.ai"  # for wandb versions whose settings cannot be read as below
 QUIET_MODES = {"offline", "dryrun", "disabled"}  # modes in which wandb does not talk to the server
+# loggers whose package is an optional extra of mhalab (pyproject.toml): class name -> (module, extra)
+OPTIONAL = {"WandbLogger": ("wandb", "wandb"), "TensorBoardLogger": ("tensorboard", "tensorboard")}
+
+
+def check_installed(logger_cfg: dict) -> None:
+    """Each configured logger's package is importable; else one ConfigError naming the extra to install
+    (before any data is read: mhalab.train.config.validate calls this)."""
+    from mhalab.errors import ConfigError
+
+    for name, c in (logger_cfg or {}).items():
+        cls = str((c or {}).get("_target_", "")).rsplit(".", 1)[-1]
+        if cls in OPTIONAL and importlib.util.find_spec(OPTIONAL[cls][0]) is None:
+            module, extra = OPTIONAL[cls]
+            raise ConfigError(f"logger={name} needs the {module} package, which is not installed; "
+                              f"pip install 'mhalab[{extra}]' (or pip install {module}), or use logger=csv.")
 
 
 def _wandb_settings():
@@ -203,3 +220,13 @@ def _check_server(kwargs: dict, settings, insist: str | None) -> None:
     log.warning("wandb: %s is unreachable (%s); logging offline to %s, upload later with `wandb sync %s`",
                 what, reason, wandb_dir, wandb_dir)
 
+
+
+def finish(loggers, exit_code: int = 0) -> None:
+    """End each W&B run this process started, so its record is complete on disk (an offline run can be read and
+    synced) and the next run of a sweep in this process starts its own: Lightning's WandbLogger leaves the run
+    open until the process exits."""
+    for lg in loggers:
+        run = getattr(lg, "_experiment", None) if type(lg).__name__ == "WandbLogger" else None
+        if run is not None:
+            run.finish(exit_code=exit_code)

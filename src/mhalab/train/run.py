@@ -29,11 +29,13 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from mhalab.errors import RunDirError, UserError
-from mhalab.train import checkpoint, record
+from mhalab.train import checkpoint, experiment, record
 from mhalab.train.callbacks import GracefulStop, ResumeState
 from mhalab.train.config import instantiate, validate
+from mhalab.train.loggers import finish
 from mhalab.train.memory import peak_memory_mb, reset_peak_memory
 from mhalab.train.module import Classifier
+from mhalab.train.provenance import provenance
 from mhalab.train.rundir import RunLock
 
 log = logging.getLogger("mhalab")
@@ -113,13 +115,15 @@ def _run(cfg: DictConfig, out: Path) -> float:
     attempts.append(attempt)
     rec = {
         "status": "running", "error": None, "overrides": _overrides(), "seed": int(cfg.seed),
-        "config": OmegaConf.to_container(cfg, resolve=True), "output_dir": str(out), "attempts": attempts,
+        "config": experiment.resolved(cfg), "provenance": provenance(), "output_dir": str(out),
+        "attempts": attempts,
     }
     record.write(out, rec)
     t0 = time.time()
     stop = GracefulStop(checkpoint.last_checkpoint(out).parent)
     try:
-        trainer = _fit_and_test(cfg, out, rec, stop, ckpt_path)
+        with experiment.extras(cfg, out):  # the config tree printed and saved; warnings silenced if asked
+            trainer = _fit_and_test(cfg, out, rec, stop, ckpt_path)
     except BaseException as e:  # SystemExit and KeyboardInterrupt too: the record must not say "running"
         interrupted = isinstance(e, (KeyboardInterrupt, SystemExit))
         ctrl_c = isinstance(e, KeyboardInterrupt) or stop.ctrl_c or _ctrl_c_seen(e)
@@ -190,7 +194,6 @@ def _fit_and_test(cfg: DictConfig, out: Path, rec: dict, stop: GracefulStop, ckp
     if ckpt_path is None and cfg.get("ckpt_path"):
         ckpt_path = str(checkpoint.resolve(str(cfg.ckpt_path)))
     dm, module = build(cfg)
-    params = sum(p.numel() for p in module.parameters())
 
     loggers = _loggers(cfg, ckpt_path)
     callbacks = [instantiate(c) for c in (cfg.get("callbacks") or {}).values() if c is not None]
@@ -200,11 +203,28 @@ def _fit_and_test(cfg: DictConfig, out: Path, rec: dict, stop: GracefulStop, ckp
     callbacks += [stop, ResumeState()]
     trainer = L.Trainer(**OmegaConf.to_container(cfg.trainer, resolve=True), logger=loggers,
                         callbacks=callbacks, default_root_dir=str(out))
+    if rec:  # rank 0: every logger gets the whole config and the provenance, as metrics.json does
+        rec["provenance"] = provenance(trainer.strategy.root_device)
+        experiment.log_hyperparameters(trainer.loggers, experiment.hyperparameters(cfg, rec["provenance"],
+                                                                                  rec.get("overrides", [])))
     for lg in loggers:
         if hasattr(lg, "experiment") and type(lg).__name__ == "WandbLogger" and trainer.is_global_zero:
             rec["wandb_id"] = lg.experiment.id
             module.remember(wandb_id=lg.experiment.id)
 
+    try:
+        _fit_and_test_best(cfg, trainer, dm, module, rec, ckpt_path)
+    except BaseException:
+        finish(trainer.loggers, exit_code=1)
+        raise
+    finish(trainer.loggers)
+    return trainer
+
+
+def _fit_and_test_best(cfg: DictConfig, trainer: L.Trainer, dm, module: Classifier, rec: dict,
+                       ckpt_path: str | None) -> None:
+    """Fit, then evaluate the best checkpoint on validation and test; the results go into `rec`."""
+    params = sum(p.numel() for p in module.parameters())
     reset_peak_memory(trainer.strategy.root_device)
     t_fit = time.time()
     try:
@@ -242,7 +262,6 @@ def _fit_and_test(cfg: DictConfig, out: Path, rec: dict, stop: GracefulStop, ckp
         device=str(trainer.strategy.root_device),
         device_name=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
     )
-    return trainer
 
 
 def _loggers(cfg: DictConfig, ckpt_path: str | None) -> list:
