@@ -122,3 +122,19 @@ def loggers_error():
 def test_code_state_outside_a_git_checkout_is_unknown_not_wrong(tmp_path):
     assert provenance.code_state(tmp_path) == {"git_commit": None, "git_dirty": None}
     assert provenance.code_state(None) == {"git_commit": None, "git_dirty": None}
+
+
+def test_early_stopping_stops_after_patience_validations_without_improvement(tmp_path, toy_data_dir):
+    """min_delta=1.0: no epoch can improve val/acc by a whole point of accuracy, so with patience 1 the run
+    stops after its second validation, whatever max_epochs says; the record says when and why."""
+    out = tmp_path / "run"
+    cfg = compose_train(["callbacks=early_stopping", "callbacks.early_stopping.patience=1",
+                         "callbacks.early_stopping.min_delta=1.0", "max_epochs=6", "test_after_fit=false",
+                         "extras.print_config=false"], out, toy_data_dir, tmp_path / "cache")
+    run(cfg)
+    rec = json.loads((out / "metrics.json").read_text())
+    assert rec["status"] == "finished" and rec["epochs"] == 2  # not 6
+    stop = rec["early_stopping"]
+    assert (stop["stopped"], stop["stopped_epoch"], stop["patience"], stop["monitor"]) == (True, 1, 1, "val/acc")
+    assert stop["best_score"] <= rec["best"]["val/acc"]  # epoch 0's val/acc; the checkpoint keeps the best of both
+    assert not (out / "config_tree.log").exists()  # extras.print_config=false

@@ -253,6 +253,11 @@ def _fit_and_test_best(cfg: DictConfig, trainer: L.Trainer, dm, module: Classifi
         best.update({k: float(v) for k, v in test_res.items()})
         best["checkpoint"] = best_path
     fit_total = sum(a.get("fit_time_s", 0.0) for a in rec.get("attempts", [])) or fit_s
+    stopper = trainer.early_stopping_callback  # callbacks=early_stopping
+    if stopper is not None:
+        rec["early_stopping"] = {"stopped": stopper.stopped_epoch > 0, "stopped_epoch": stopper.stopped_epoch,
+                                 "patience": stopper.patience, "monitor": stopper.monitor,
+                                 "best_score": float(stopper.best_score)}
     rec.update(
         params=params, epochs=trainer.current_epoch, global_step=trainer.global_step, best=best,
         last_epoch=last_epoch,
