@@ -1,23 +1,54 @@
-"""LightningModule: cross-entropy training of a SequenceClassifier, with per-split metrics.
+"""LightningModule: cross-entropy training of a SequenceClassifier, with per-split and per-class metrics.
 
-Logged: train/loss (per step), train/pad_frac, train/tokens_per_s (real, non-pad tokens),
-{val,test}/{loss,acc,f1} (per epoch), and the learning rate (LearningRateMonitor).
+Logged by the module: train/loss and train/acc (per step; train/acc_epoch: the epoch's accuracy),
+train/pad_frac (per step), {val,test}/{loss,acc,f1} (per epoch; f1 is the macro average), and with at
+most MAX_LOGGED_CLASSES classes {val,test}/f1_<label> per class (per epoch). Throughput (real tokens,
+samples, FLOPs, MFU on CUDA) is logged by the callback mhalab.train.throughput.RealTokenThroughput from
+`flops_per_batch`, set here per training batch; the learning rate by LearningRateMonitor.
+After each validation epoch and each test, `class_reports["validation" | "test"]` holds the per-class
+report (mhalab.train.class_report: precision, recall, f1, support, confusion matrix, macro averages).
 """
 
 from __future__ import annotations
 
+import inspect
 import math
-import time
+import re
 
 import lightning as L
 import torch
 import torch.nn.functional as F
 from torchmetrics import MetricCollection
-from torchmetrics.classification import MulticlassAccuracy, MulticlassF1Score
+from torchmetrics.classification import (
+    MulticlassAccuracy,
+    MulticlassConfusionMatrix,
+    MulticlassF1Score,
+    MulticlassPrecision,
+    MulticlassRecall,
+)
 
-from mhalab.model import SequenceClassifier
+from mhalab.model import ATTENTION_OPTIONS, SequenceClassifier
+from mhalab.nn.flops import train_flops
+from mhalab.train.class_report import build_report, default_labels
+from mhalab.train.throughput import batch_tokens
 
 SCHEDULES = ("cosine", "linear", "constant")  # the lr after warmup (configure_optimizers)
+MAX_LOGGED_CLASSES = 20  # per-class f1 goes to the loggers up to this many classes (class_reports: always)
+SPLITS = {"val": "validation", "test": "test"}  # log prefix -> class_reports key
+
+
+def _per_class_metrics(num_classes: int) -> MetricCollection:
+    """Epoch-level per-class scores and the confusion matrix; torchmetrics sums the counts over DDP ranks."""
+    return MetricCollection({
+        "precision": MulticlassPrecision(num_classes, average=None),
+        "recall": MulticlassRecall(num_classes, average=None),
+        "f1": MulticlassF1Score(num_classes, average=None),
+        "confusion": MulticlassConfusionMatrix(num_classes),
+    })
+
+
+def _log_name(label: str) -> str:
+    return re.sub(r"[^0-9A-Za-z_.-]+", "_", str(label)).strip("_") or "_"
 
 
 class NonFiniteLossError(RuntimeError):
@@ -38,10 +69,14 @@ class Classifier(L.LightningModule):
         schedule: str = "cosine",
         compile: bool = False,
         checkpoint_extras: dict | None = None,
+        label_names: list[str] | None = None,
     ):
         super().__init__()
         if schedule not in SCHEDULES:
             raise ValueError(f"unknown optim.schedule '{schedule}'; choose one of {', '.join(SCHEDULES)}.")
+        if label_names is not None and len(label_names) != num_classes:
+            raise ValueError(f"label_names has {len(label_names)} names ({list(label_names)}) for "
+                             f"num_classes={num_classes}; give one name per class, or none.")
         self.save_hyperparameters(ignore=["checkpoint_extras"])  # the extras have their own entry, below
         self.model = SequenceClassifier(vocab_size=vocab_size, num_classes=num_classes, pad_id=pad_id, **model)
         if compile:
@@ -53,7 +88,18 @@ class Classifier(L.LightningModule):
         })
         self.val_metrics = metrics.clone(prefix="val/")
         self.test_metrics = metrics.clone(prefix="test/")
-        self._t_last: float | None = None
+        self.train_acc = MulticlassAccuracy(num_classes, average="micro")
+        self.val_classes = _per_class_metrics(num_classes)
+        self.test_classes = _per_class_metrics(num_classes)
+        self.label_names = [str(x) for x in label_names] if label_names is not None else default_labels(num_classes)
+        self.class_reports: dict[str, dict] = {}  # "validation" / "test" -> class_report.build_report(...)
+        # what the FLOPs of a batch depend on: the model's config with SequenceClassifier's defaults filled in
+        defaults = {k: p.default for k, p in inspect.signature(SequenceClassifier).parameters.items()
+                    if p.default is not inspect.Parameter.empty}
+        self._flops_cfg = {**defaults, **model, "num_classes": num_classes}
+        self._flops_cfg["attention_options"] = {**ATTENTION_OPTIONS, **(model.get("attention_options") or {})}
+        # FLOPs of the last training batch (forward + backward), read by Lightning's ThroughputMonitor
+        self.flops_per_batch: int | None = None
         self.token_counts = torch.zeros(2, dtype=torch.long)  # (real tokens, pad tokens) trained on
         # what makes a checkpoint self-contained beside the weights (where the datamodule's state, with the
         # tokenizer, is saved; the data config; the W&B run id), written as checkpoint["mhalab"]
@@ -76,29 +122,56 @@ class Classifier(L.LightningModule):
         if self.token_counts.device != pad.device:
             self.token_counts = self.token_counts.to(pad.device)
         self.token_counts += torch.stack([real, pad.sum()])  # stays on device: no sync per step
+        # host ints only (shapes and the collate's num_tokens): no sync; the throughput callback reads it
+        self.flops_per_batch = self.batch_flops(batch)
+        acc = self.train_acc(logits, batch["labels"])  # this batch's accuracy; the metric keeps the epoch's
         self.log("train/loss", loss, prog_bar=True)
+        self.log("train/acc", acc)
+        self.log("train/acc_epoch", self.train_acc, on_step=False, on_epoch=True)
         self.log("train/pad_frac", pad.float().mean())
-        now = time.perf_counter()
-        if self._t_last is not None:  # tokens/s over the whole step, data loading included
-            self.log("train/tokens_per_s", real.float() * self.trainer.world_size / (now - self._t_last))
-        self._t_last = now
         return loss
 
-    def on_train_epoch_start(self):
-        self._t_last = None  # do not count the validation pause as a slow training step
+    def batch_flops(self, batch) -> int:
+        """FLOPs of one training step (forward + backward) on this collated batch (mhalab.nn.flops.train_flops)."""
+        B, L = batch["input_ids"].shape
+        return train_flops(batch=B, seq_len=L, num_tokens=batch_tokens(batch), **self._flops_cfg)
 
-    def _eval_step(self, batch, metrics, prefix):
+    def _eval_step(self, batch, metrics, classes, prefix):
         logits = self(batch["input_ids"], batch["padding_mask"])
         loss = F.cross_entropy(logits, batch["labels"])
         metrics.update(logits, batch["labels"])
+        classes.update(logits, batch["labels"])
         self.log(f"{prefix}/loss", loss, batch_size=len(batch["labels"]), sync_dist=True)
         self.log_dict(metrics, prog_bar=prefix == "val")
 
     def validation_step(self, batch, batch_idx):
-        self._eval_step(batch, self.val_metrics, "val")
+        self._eval_step(batch, self.val_metrics, self.val_classes, "val")
 
     def test_step(self, batch, batch_idx):
-        self._eval_step(batch, self.test_metrics, "test")
+        self._eval_step(batch, self.test_metrics, self.test_classes, "test")
+
+    def on_validation_epoch_end(self):
+        self._class_report(self.val_classes, "val")
+
+    def on_test_epoch_end(self):
+        self._class_report(self.test_classes, "test")
+
+    def _class_report(self, classes: MetricCollection, prefix: str) -> None:
+        """The epoch's per-class report into class_reports (and per-class f1 to the loggers, for few classes)."""
+        if not classes["confusion"].update_called or self.trainer.sanity_checking:
+            classes.reset()  # the sanity check's counts must not leak into the first epoch
+            return
+        values = classes.compute()  # synced across DDP ranks by torchmetrics: every rank has the totals
+        classes.reset()
+        report = build_report(values["confusion"], values["precision"], values["recall"], values["f1"],
+                              self.label_names)
+        self.class_reports[SPLITS[prefix]] = report
+        if len(self.label_names) <= MAX_LOGGED_CLASSES:
+            names = [_log_name(x) for x in self.label_names]
+            if len(set(names)) < len(names):  # two labels that differ only in odd characters: use indices
+                names = default_labels(len(names))
+            for name, f1 in zip(names, report["f1"]):
+                self.log(f"{prefix}/f1_{name}", f1, sync_dist=True)  # equal on every rank: no warning
 
     def configure_optimizers(self):
         hp = self.hparams
