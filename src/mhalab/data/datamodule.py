@@ -9,12 +9,15 @@ Configured entirely by plain arguments, so Hydra builds it from a YAML with `_ta
                   disk under a hash of the data files (size, mtime) and every setting that changes
                   them, so a second run (and every DDP rank) only loads;
   setup()         load tokenizer and ids from the cache, log counts and padding statistics.
+source_config() is the data config that rebuilds the same data set from anywhere (checkpoints keep it).
+Argument checks: data/arguments.py; cache paths: data/cache.py; user files with nothing configured
+but their paths (data=files): data/own_files.py.
 """
 
 from __future__ import annotations
 
+import copy
 import functools
-import hashlib
 import json
 import logging
 import os
@@ -27,13 +30,13 @@ import torch
 from tokenizers import Tokenizer
 from torch.utils.data import DataLoader
 
+from mhalab.data.arguments import SPLITS, check_arguments
+from mhalab.data.cache import CACHE_DIR_ENV, CACHE_VERSION, cache_paths, write_atomic
 from mhalab.data.collate import Collate, EncodedSplit
 from mhalab.data.holdout import stratified_holdout
 from mhalab.data.reading import (
     DATA_DIR_ENV,
-    FORMATS,
     check_columns,
-    check_encoding_name,
     check_files,
     check_stream,
     clean_rows,
@@ -42,34 +45,12 @@ from mhalab.data.reading import (
     resolve_data_dir,
 )
 from mhalab.data.sampler import LengthBatchSampler
-from mhalab.data.tokenizer import (
-    CLS_ID,
-    KINDS,
-    PAD_ID,
-    SPECIALS,
-    encode_texts,
-    load_tokenizer,
-    min_vocab_size,
-    train_tokenizer,
-)
-from mhalab.errors import ConfigError, DataError
+from mhalab.data.tokenizer import CLS_ID, PAD_ID, encode_texts, load_tokenizer, train_tokenizer
+from mhalab.errors import DataError
 
 log = logging.getLogger(__name__)
 
-CACHE_DIR_ENV = "MHALAB_CACHE_DIR"
-CACHE_VERSION = 1  # bump when the cached format or the encoding recipe changes
-SPLITS = ("train", "validation", "test")
-
-
-def _hash(obj) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def _write_atomic(path: Path, write) -> None:
-    """Write via a temp file + rename, so a crash or a concurrent reader never sees half a file."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    write(tmp)
-    os.replace(tmp, path)
+__all__ = ["CACHE_DIR_ENV", "CACHE_VERSION", "SPLITS", "TextClassificationDataModule"]
 
 
 class TextClassificationDataModule(L.LightningDataModule):
@@ -132,13 +113,11 @@ class TextClassificationDataModule(L.LightningDataModule):
         self.max_len, self.batch_size = max_len, batch_size
         self.eval_batch_size = eval_batch_size or batch_size
         self.bucketing, self.bucket_batches, self.fixed_len, self.drop_last = bucketing, bucket_batches, fixed_len, drop_last
-        self.num_workers = num_workers
+        self.num_workers, self._pin_memory_setting = num_workers, pin_memory
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
         self.on_bad_rows = on_bad_rows
         self._check_arguments(num_classes, label_names)
-        self.num_classes = num_classes if num_classes is not None else len(label_names)
-        self.label_names = [str(n) for n in label_names] if label_names else [str(i) for i in range(self.num_classes)]
-        self._labels_are_names = bool(label_names)
+        self._set_labels(num_classes, label_names)
         cache_root = cache_dir or os.environ.get(CACHE_DIR_ENV) or "~/.cache/mhalab"
         self.cache_root = Path(cache_root).expanduser()
 
@@ -150,41 +129,20 @@ class TextClassificationDataModule(L.LightningDataModule):
 
     # ------------------------------------------------------------------ checks
 
+    infers_labels = False  # OwnFilesDataModule: null num_classes and label_names mean "the train split's labels"
+
+    def _set_labels(self, num_classes: int | None, label_names: list | None, names_only: bool = False) -> None:
+        """Classes from the config: integer labels 0..num_classes-1, or names (a row may give the index too,
+        unless `names_only`: labels inferred from train match their names only). Both None: not known yet."""
+        if num_classes is None and not label_names:
+            self.num_classes = self.label_names = None
+        else:
+            self.num_classes = num_classes if num_classes is not None else len(label_names)
+            self.label_names = [str(n) for n in label_names] if label_names else [str(i) for i in range(self.num_classes)]
+        self._labels_are_names, self._names_only = bool(label_names), names_only
+
     def _check_arguments(self, num_classes, label_names) -> None:
-        """Pure argument checks, at construction: a bad config fails before anything is read."""
-        def bad(msg):
-            raise ConfigError(f"data config '{self.name}': {msg}")
-
-        self.encoding = check_encoding_name(self.encoding, f"data config '{self.name}'")  # canonical: one cache key
-
-        if self.format not in FORMATS:
-            bad(f"format='{self.format}' is not supported; choose one of {list(FORMATS)}.")
-        if "train" not in self.files or set(self.files) - set(SPLITS):
-            bad(f"files must map 'train' (and optionally 'validation', 'test') to files; got {sorted(self.files)}.")
-        if self.on_bad_rows not in ("error", "drop"):
-            bad(f"on_bad_rows='{self.on_bad_rows}' is not supported; choose 'error' or 'drop'.")
-        if self.tokenizer_kind not in KINDS:
-            bad(f"tokenizer_kind='{self.tokenizer_kind}' is not supported; choose one of {list(KINDS)}.")
-        if self.target_vocab_size < min_vocab_size(self.tokenizer_kind):
-            bad(f"vocab_size={self.target_vocab_size} is below the minimum {min_vocab_size(self.tokenizer_kind)} for "
-                f"tokenizer_kind={self.tokenizer_kind} ({len(SPECIALS)} special tokens {SPECIALS}"
-                f"{' + 256 byte symbols' if self.tokenizer_kind == 'bpe' else ' + at least one token'}); raise vocab_size.")
-        if self.max_len < 3:
-            bad(f"max_len={self.max_len} is too small: it must be >= 3 ([CLS], [SEP] and one token); raise max_len.")
-        if self.batch_size < 1 or self.eval_batch_size < 1:
-            bad(f"batch_size={self.batch_size} / eval_batch_size={self.eval_batch_size} must be >= 1.")
-        if label_names is None and num_classes is None:
-            bad("set num_classes (integer labels 0..num_classes-1) or label_names (string labels).")
-        if label_names is not None and num_classes is not None and len(label_names) != num_classes:
-            bad(f"num_classes={num_classes} but label_names has {len(label_names)} names {list(label_names)}.")
-        if self.dev_split is not None and not 0.0 < self.dev_split < 1.0:
-            bad(f"dev_split={self.dev_split} must be a fraction in (0, 1), e.g. 0.1, or null"
-                + (" (this data set has a validation file: null uses it)." if "validation" in self.files else "."))
-        if self.dev_split and "validation" in self.files:
-            bad(f"dev_split={self.dev_split} but files already has a validation split: set one or the other.")
-        if not self.dev_split and "validation" not in self.files:
-            bad("there is no validation split: add files.validation, or set dev_split (e.g. 0.1) to hold one out "
-                "of train (the test split is never used for model selection).")
+        self.encoding = check_arguments(self, num_classes, label_names)
 
     def validate(self) -> None:
         """Checks of the source (data directory, files, header columns, delimiter), before any loading;
@@ -199,10 +157,16 @@ class TextClassificationDataModule(L.LightningDataModule):
             self._paths = None
             return
         self._paths = check_files(self.name, data_dir, self.files)
+        self._check_columns()
+        self._check_streams()
+
+    def _check_columns(self) -> None:
         for split, path in self._paths.items():
             columns = read_columns(path, self.format, self.delimiter, self.quoting, self.encoding)
             check_columns(f"{self.name} {split} file '{path}'", columns,
                           {"text_column": self.text_column, "label_column": self.label_column})
+
+    def _check_streams(self) -> None:
         if self.format != "parquet" and not (self._cache_paths()[1] / "meta.json").exists():
             # A cached file (same size and mtime) was read in full before. JSON lines must be checked
             # here: pyarrow's reader keeps bytes that are not UTF-8, and they fail only when used.
@@ -225,12 +189,8 @@ class TextClassificationDataModule(L.LightningDataModule):
         }
         if self.encoding != "utf-8":  # (absent for utf-8: the caches built before this key existed stay valid)
             data["encoding"] = self.encoding
-        tok = dict(data, kind=self.tokenizer_kind, lowercase=self.lowercase)
-        if self.tokenizer_kind != "bytes":
-            tok.update(vocab_size=self.target_vocab_size, min_frequency=self.min_frequency)
-        root = self.cache_root / self.name
-        return (root / f"tokenizer-{self.tokenizer_kind}-{_hash(tok)}.json",
-                root / f"encoded-{_hash(dict(tok, max_len=self.max_len))}")
+        return cache_paths(self.cache_root, self.name, data, self.tokenizer_kind, self.lowercase,
+                           self.target_vocab_size, self.min_frequency, self.max_len)
 
     @property
     def tokenizer_path(self) -> Path:
@@ -260,7 +220,7 @@ class TextClassificationDataModule(L.LightningDataModule):
                 table.data.column(self.text_column).to_pylist(), table.data.column(self.label_column).to_pylist(),
                 split=split, where=where, text_column=self.text_column, label_column=self.label_column,
                 label_names=self.label_names if self._labels_are_names else None, num_classes=self.num_classes,
-                on_bad_rows=self.on_bad_rows,
+                on_bad_rows=self.on_bad_rows, names_only=self._names_only,
             )
         if self.dev_split:
             texts, labels = raw["train"]
@@ -289,7 +249,7 @@ class TextClassificationDataModule(L.LightningDataModule):
             t0 = time.perf_counter()
             tokenizer = train_tokenizer(raw["train"][0], self.tokenizer_kind, self.target_vocab_size,
                                         self.lowercase, self.min_frequency)
-            _write_atomic(tok_path, lambda p: p.write_text(tokenizer.to_str()))
+            write_atomic(tok_path, lambda p: p.write_text(tokenizer.to_str()))
             log.info("%s: trained %s tokenizer (vocab %d) on %d train texts in %.1fs -> %s", self.name,
                      self.tokenizer_kind, tokenizer.get_vocab_size(), len(raw["train"][0]), time.perf_counter() - t0,
                      tok_path)
@@ -297,12 +257,12 @@ class TextClassificationDataModule(L.LightningDataModule):
         t0 = time.perf_counter()
         for split, (texts, labels) in raw.items():
             encoded = EncodedSplit.from_lists(encode_texts(tokenizer, texts, self.max_len), labels)
-            _write_atomic(enc_dir / f"{split}.pt", functools.partial(torch.save, encoded.state()))
+            write_atomic(enc_dir / f"{split}.pt", functools.partial(torch.save, encoded.state()))
         seconds = time.perf_counter() - t0
         log.info("%s: encoded %d texts (max_len %d) in %.1fs -> %s", self.name,
                  sum(len(t) for t, _ in raw.values()), self.max_len, seconds, enc_dir)
         meta = {"splits": list(raw), "tokenizer": tok_path.name, "encode_seconds": seconds}
-        _write_atomic(enc_dir / "meta.json", lambda p: p.write_text(json.dumps(meta)))  # last: marks it complete
+        write_atomic(enc_dir / "meta.json", lambda p: p.write_text(json.dumps(meta)))  # last: marks it complete
 
     # ------------------------------------------------------------------ Lightning hooks
 
@@ -404,6 +364,28 @@ class TextClassificationDataModule(L.LightningDataModule):
             if self.train_sampler is not None:
                 self.train_sampler.load_state_dict(state["train_sampler"])
                 self._pending_sampler_state = None
+
+    # ------------------------------------------------------------------ the data set, reproducible
+
+    def source_config(self) -> dict:
+        """The data config as a plain dict that rebuilds this data set from any directory (mhalab-eval reads
+        it from a checkpoint): every setting in force, what was inferred filled in, the data and cache
+        directories absolute. Instantiated, it has the same cache paths and the same splits (dev hold-out)."""
+        self.validate()  # paths, and what a data=files source infers
+        data_dir = resolve_data_dir(self.data_dir) if self._paths is not None else None
+        return {
+            "_target_": f"{type(self).__module__}.{type(self).__qualname__}", "name": self.name,
+            "files": dict(self.files), "data_dir": str(data_dir.absolute()) if data_dir else None,
+            "format": self.format, "delimiter": self.delimiter, "quoting": self.quoting, "encoding": self.encoding,
+            "hub": copy.deepcopy(self.hub), "text_column": self.text_column, "label_column": self.label_column,
+            "num_classes": self.num_classes, "label_names": list(self.label_names) if self._labels_are_names else None,
+            "dev_split": self.dev_split, "seed": self.seed, "on_bad_rows": self.on_bad_rows,
+            "tokenizer_kind": self.tokenizer_kind, "vocab_size": self.target_vocab_size, "lowercase": self.lowercase,
+            "min_frequency": self.min_frequency, "cache_dir": str(self.cache_root.absolute()), "max_len": self.max_len,
+            "batch_size": self.batch_size, "eval_batch_size": self.eval_batch_size, "bucketing": self.bucketing,
+            "bucket_batches": self.bucket_batches, "fixed_len": self.fixed_len, "drop_last": self.drop_last,
+            "num_workers": self.num_workers, "pin_memory": self._pin_memory_setting,
+        }
 
     # ------------------------------------------------------------------ what the model needs
 

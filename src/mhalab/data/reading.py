@@ -293,23 +293,46 @@ def load_table(
         raise error from e
 
 
-def _allowed(label_names: list[str] | None, num_classes: int) -> tuple[dict, str]:
-    """Lookup from every accepted label value to its index, and how to describe the accepted values."""
+_INTEGER = re.compile(r"-?[0-9]+")
+
+
+def is_integer_label(key: str) -> bool:
+    """'3', '-1': an integer written the one way str(int) writes it ('01', '+1', '1.0' are names)."""
+    return bool(_INTEGER.fullmatch(key)) and str(int(key)) == key
+
+
+def label_key(value) -> str | None:
+    """A label value as the name it matches: strings stripped, numbers and booleans as str() writes them
+    (a JSON or parquet 1 is the name '1'); None for a missing, blank or non-scalar value."""
+    if isinstance(value, str):
+        return value.strip() or None
+    return str(value) if isinstance(value, (int, float, bool)) else None
+
+
+def _allowed(label_names: list[str] | None, num_classes: int, names_only: bool = False) -> tuple[dict, str, str]:
+    """Lookup from every accepted label value to its index, how to describe the accepted values, the fix."""
+    if names_only:  # names inferred from train: a value matches its name only (label_key), never an index
+        return ({name: i for i, name in enumerate(label_names)}, f"the train split's labels {list(label_names)}",
+                "fix the file, or add train rows with that label (the label set is train's)")
+    fix = "fix the file or the config's label_names / num_classes"
     index: dict = {i: i for i in range(num_classes)} | {str(i): i for i in range(num_classes)}
     if label_names:
         index |= {name: i for i, name in enumerate(label_names)}
-        return index, f"{list(label_names)} (or indices 0..{num_classes - 1})"
-    return index, f"the integers 0..{num_classes - 1}"
+        # a name that is an integer wins over reading the value as an index, as the value 1 does as '1'
+        index |= {int(name): i for i, name in enumerate(label_names) if is_integer_label(name)}
+        return index, f"{list(label_names)} (or indices 0..{num_classes - 1})", fix
+    return index, f"the integers 0..{num_classes - 1}", fix
 
 
 def clean_rows(
     texts: list, raw_labels: list, *, split: str, where: str, text_column: str, label_column: str,
-    label_names: list[str] | None, num_classes: int, on_bad_rows: str = "error",
+    label_names: list[str] | None, num_classes: int, on_bad_rows: str = "error", names_only: bool = False,
 ) -> tuple[list[str], list[int]]:
     """Texts and label indices of a split, with rows whose text is missing or blank either raised
     (on_bad_rows='error') or dropped with a WARNING (on_bad_rows='drop'). Bad labels always raise:
-    dropping them would hide a label_names / num_classes misconfiguration."""
-    index, allowed = _allowed(label_names, num_classes)
+    dropping them would hide a label_names / num_classes misconfiguration. `names_only`: the label
+    names were inferred from train, and a value matches its name (label_key) only."""
+    index, allowed, fix = _allowed(label_names, num_classes, names_only)
     out_texts, out_labels, dropped = [], [], 0
     for row, (text, label) in enumerate(zip(texts, raw_labels)):
         if text is None or not str(text).strip():
@@ -320,13 +343,13 @@ def clean_rows(
                 f"{split} row {row} of {where}: text column '{text_column}' is {'missing' if text is None else 'empty'} "
                 f"({text!r}); fix the file, or set data.on_bad_rows=drop to drop such rows with a warning."
             )
-        key = label.strip() if isinstance(label, str) else label
+        key = label_key(label) if names_only else label.strip() if isinstance(label, str) else label
         try:
             out_labels.append(index[key])
         except (KeyError, TypeError):  # TypeError: unhashable values (lists in JSON)
             raise DataError(
                 f"{split} row {row} of {where}: label {label!r} in column '{label_column}' is not one of {allowed}; "
-                f"fix the file or the config's label_names / num_classes."
+                f"{fix}."
             ) from None
         out_texts.append(str(text))
     if dropped:
