@@ -180,6 +180,10 @@ def generate_listops(out_root: str | os.PathLike, num_train: int = 96_000, num_v
     return out
 
 
+_SET_BY_GENERATOR = ("files", "format", "delimiter", "quoting", "text_column", "label_column", "num_classes",
+                     "label_names", "dev_split", "data_dir", "hub")
+
+
 class ListOpsDataModule(SubsetDataModule):
     """ListOps from our generator: `python train.py data=listops`.
 
@@ -199,8 +203,7 @@ class ListOpsDataModule(SubsetDataModule):
                 f"data config '{name}': max_len={max_len} < max_length + 2 = {max_length + 2} ([CLS] and [SEP]): "
                 f"truncating a ListOps sequence changes its value; raise max_len or lower data.max_length."
             )
-        for key in ("files", "format", "delimiter", "quoting", "text_column", "label_column", "num_classes",
-                    "label_names", "dev_split", "data_dir", "hub"):
+        for key in _SET_BY_GENERATOR:
             if kwargs.pop(key, None) is not None:
                 log.warning("listops: ignoring data.%s (set by the generator)", key)
         self.generator = {"num_train": num_train, "num_validation": num_validation, "num_test": num_test,
@@ -212,6 +215,13 @@ class ListOpsDataModule(SubsetDataModule):
             vocab_size=vocab_size, lowercase=lowercase, min_frequency=min_frequency, max_len=max_len, **kwargs,
         )
         self.data_dir = None  # set by validate(), once the files exist
+
+    def source_config(self) -> dict:
+        """The generator's settings in place of the files it writes (the same settings, the same files)."""
+        cfg = super().source_config()
+        for key in _SET_BY_GENERATOR:
+            cfg.pop(key)
+        return dict(cfg, **{k: v for k, v in self.generator.items() if k != "seed"}, generator_seed=self.generator["seed"])
 
     def generate(self) -> Path:
         return generate_listops(self.cache_root / self.name, **self.generator)

@@ -48,6 +48,9 @@ class SubsetDataModule(TextClassificationDataModule):
                      len(labels), split)
         return raw
 
+    def source_config(self) -> dict:
+        return dict(super().source_config(), max_examples=dict(self.max_examples) or None)
+
     def _cache_paths(self) -> tuple[Path, Path]:
         tok, enc = super()._cache_paths()
         if not self.max_examples:
