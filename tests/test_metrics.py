@@ -12,6 +12,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import types
+import warnings
 
 import lightning as L
 import numpy as np
@@ -197,14 +198,17 @@ def fitted(tmp_path_factory, toy_data_dir):
                         enable_progress_bar=False, enable_model_summary=False,
                         callbacks=[RealTokenThroughput(window_size=2), recorder])
     try:
-        trainer.fit(module, datamodule=dm)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.fit(module, datamodule=dm)
         val_metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
         val_report = module.class_reports["validation"]
         test_res = trainer.test(module, datamodule=dm, verbose=False)[0]
     finally:
         mp.undo()
     return types.SimpleNamespace(module=module, logger=logger, batches=recorder.batches, val=val_metrics,
-                                 val_report=val_report, val_reports=recorder.val_reports, test=test_res, dm=dm)
+                                 val_report=val_report, val_reports=recorder.val_reports, test=test_res, dm=dm,
+                                 warned=[str(w.message) for w in caught])
 
 
 def test_class_report_after_validation_covers_the_whole_split_once_and_matches_the_logged_acc_and_f1(fitted):
@@ -264,3 +268,4 @@ def test_throughput_logs_real_tokens_samples_and_flops_per_second_of_each_window
     assert "train/device/items_per_sec" not in rows[0]
     logged = {k for _, m in fitted.logger.rows for k in m}
     assert not any("mfu" in k or k.startswith(("validate/", "test/device", "train/tokens_per_s")) for k in logged)
+    assert not [w for w in fitted.warned if "flops" in w.lower()]  # CPU: no peak, no MFU, and no warning about it

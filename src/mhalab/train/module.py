@@ -38,12 +38,19 @@ SPLITS = {"val": "validation", "test": "test"}  # log prefix -> class_reports ke
 
 
 def _per_class_metrics(num_classes: int) -> MetricCollection:
-    """Epoch-level per-class scores and the confusion matrix; torchmetrics sums the counts over DDP ranks."""
+    """Epoch-level per-class scores and the confusion matrix, counted over the whole split.
+
+    Not synced across DDP ranks, on purpose: the evaluation loaders are not sharded (the datamodule's
+    _sampler: every rank sees every example once), so each rank's counts already are the split's, and
+    summing them over ranks would count every example world-size times (a 64-example split read 128 on
+    2 ranks). An evaluation sharded across ranks would need sync_on_compute=True here.
+    """
+    kw = {"sync_on_compute": False}
     return MetricCollection({
-        "precision": MulticlassPrecision(num_classes, average=None),
-        "recall": MulticlassRecall(num_classes, average=None),
-        "f1": MulticlassF1Score(num_classes, average=None),
-        "confusion": MulticlassConfusionMatrix(num_classes),
+        "precision": MulticlassPrecision(num_classes, average=None, **kw),
+        "recall": MulticlassRecall(num_classes, average=None, **kw),
+        "f1": MulticlassF1Score(num_classes, average=None, **kw),
+        "confusion": MulticlassConfusionMatrix(num_classes, **kw),
     })
 
 
@@ -161,7 +168,7 @@ class Classifier(L.LightningModule):
         if not classes["confusion"].update_called or self.trainer.sanity_checking:
             classes.reset()  # the sanity check's counts must not leak into the first epoch
             return
-        values = classes.compute()  # synced across DDP ranks by torchmetrics: every rank has the totals
+        values = classes.compute()  # every rank evaluated the whole split: each has the totals (no sync)
         classes.reset()
         report = build_report(values["confusion"], values["precision"], values["recall"], values["f1"],
                               self.label_names)
