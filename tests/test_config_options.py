@@ -258,7 +258,7 @@ def _train_one_batch(cfg, dm, module) -> str:
     assert batch["labels"].min() >= 0 and batch["labels"].max() < dm.num_classes
 
     rows = _rows(batch, cfg)
-    sub = {k: v[rows] for k, v in batch.items()}
+    sub = {k: v[rows] for k, v in batch.items() if torch.is_tensor(v)}
     assert sub["input_ids"].shape[1] == width and int(sub["lengths"].max()) == longest
     module.train()
     t0 = time.perf_counter()

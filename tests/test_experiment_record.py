@@ -138,3 +138,19 @@ def test_early_stopping_stops_after_patience_validations_without_improvement(tmp
     assert (stop["stopped"], stop["stopped_epoch"], stop["patience"], stop["monitor"]) == (True, 1, 1, "val/acc")
     assert stop["best_score"] <= rec["best"]["val/acc"]  # epoch 0's val/acc; the checkpoint keeps the best of both
     assert not (out / "config_tree.log").exists()  # extras.print_config=false
+
+
+def test_metrics_json_has_label_names_and_per_class_results_of_the_tested_checkpoint(recorded_run):
+    from PIL import Image
+
+    rec = json.loads((recorded_run / "metrics.json").read_text())
+    assert rec["label_names"] == ["negative", "positive"]  # conf/data/sst2.yaml's names for labels 0 and 1
+    test = rec["classes"]["test"]
+    assert rec["classes"]["of"] == "best checkpoint" and test["labels"] == rec["label_names"]
+    confusion = torch.tensor(test["confusion"])  # (2, 2), rows = true class
+    assert int(confusion.sum()) == 64 and test["support"] == confusion.sum(1).tolist()
+    assert float(confusion.diagonal().sum()) / 64 == pytest.approx(rec["best"]["test/acc"], abs=1e-6)
+    assert test["f1"][1] == pytest.approx(rec["best"]["test/f1_positive"], abs=1e-6)
+    for split in ("validation", "test"):
+        with Image.open(recorded_run / f"confusion_{split}.png") as png:
+            assert png.format == "PNG" and png.width > 200

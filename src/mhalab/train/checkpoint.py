@@ -120,7 +120,8 @@ def check_fits(path: str | Path, model: dict, data: dict) -> None:
         )
     saved_data = m["mhalab"].get("data", {})
     for key in DATA_KEYS:
-        if key in saved_data and key in data and saved_data[key] != data[key]:
+        # null in the config: found from the files (data=files infers the name), so nothing to compare
+        if key in saved_data and data.get(key) is not None and saved_data[key] != data[key]:
             raise CheckpointError(
                 f"ckpt_path={path} was trained with data.{key}={saved_data[key]}, but the config has "
                 f"data.{key}={data[key]}: its embeddings belong to another tokenizer; resume with "

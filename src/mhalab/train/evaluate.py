@@ -26,7 +26,9 @@ SPLITS = ("train", "validation", "test")
 
 def evaluate(ckpt_path: str | Path, split: str = "test", data_dir: str | None = None,
              batch_size: int | None = None) -> dict:
-    """{checkpoint, split, examples, <split>/loss, <split>/acc, <split>/f1} of a checkpoint on one split."""
+    """{checkpoint, split, examples, <split>/loss, <split>/acc, <split>/f1, <split>/f1_<class>, classes} of a
+    checkpoint on one split; `classes`: per-class precision / recall / F1, support and the confusion matrix
+    (mhalab.train.class_report), by the label names the checkpoint carries."""
     loaded = checkpoint.load_model(ckpt_path)  # the one loader: a .ckpt, a run dir, or `last`
     data_cfg = dict(loaded.data)
     if data_dir:
@@ -45,7 +47,21 @@ def evaluate(ckpt_path: str | Path, split: str = "test", data_dir: str | None = 
     result = trainer.test(loaded.module, dataloaders=loader, verbose=False)[0]
     # the module logs under "test/"; name the split that was really evaluated
     return {"checkpoint": str(loaded.path), "split": split, "examples": len(encoded),
-            **{k.replace("test/", f"{split}/"): float(v) for k, v in result.items()}}
+            **{k.replace("test/", f"{split}/"): float(v) for k, v in result.items()},
+            "classes": loaded.module.class_reports["test"]}  # per class, by the checkpoint's label names
+
+
+def _class_table(report: dict):
+    """The per-class precision / recall / F1 / support, and the confusion counts, as a rich table."""
+    from rich.table import Table
+
+    table = Table(title="per class (rows: true class; predicted counts on the right)")
+    for col in ("class", "precision", "recall", "f1", "support", *report["labels"]):
+        table.add_column(col, justify="left" if col == "class" else "right")
+    for i, name in enumerate(report["labels"]):
+        table.add_row(name, *(f"{report[k][i]:.4f}" for k in ("precision", "recall", "f1")),
+                      str(report["support"][i]), *map(str, report["confusion"][i]))
+    return table
 
 
 def command(cfg: DictConfig) -> dict:
@@ -68,6 +84,7 @@ def command(cfg: DictConfig) -> dict:
         if isinstance(v, float):
             table.add_row(k, f"{v:.4f}")
     Console().print(table)
+    Console().print(_class_table(res["classes"]))
     if cfg.out:
         Path(cfg.out).parent.mkdir(parents=True, exist_ok=True)
         Path(cfg.out).write_text(json.dumps(res, indent=2))

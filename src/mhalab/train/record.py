@@ -9,6 +9,10 @@ The metrics of a finished run (mhalab.train.run writes them):
 * `best`: the best checkpoint (by val/acc): its val/* (evaluated again after fit), its test/* and
   `checkpoint`, its path. With test_after_fit=false, only val/acc (the checkpoint callback's score).
 * `last_epoch`: the val/* of the last validation during fit (what the run ended at, not what it kept).
+* `label_names` (class i's name) and `classes`: per split, per-class precision / recall / F1, support and the
+  confusion matrix (mhalab.train.class_report), of the best checkpoint (`classes.of` says which).
+* `config` (the resolved config), `data` (the data source as the datamodule resolved it: absolute paths, the
+  columns and labels data=files found), `provenance` (git commit and dirty flag, versions, device).
 
 Records written before this split hold `final` instead: the last epoch's val/* mixed with the best
 checkpoint's test/*. `best()` and `last_epoch()` read both kinds; every reader goes through them (and
@@ -30,7 +34,7 @@ log = logging.getLogger("mhalab")
 FILE = "metrics.json"
 
 # the flat keys tables read (mhalab.analysis.report, mhalab.analysis.lra); absent ones read as None
-FIELDS = ("error", "overrides", "seed", "config", "params", "epochs", "global_step", "wall_time_s", "fit_time_s",
+FIELDS = ("error", "overrides", "seed", "config", "label_names", "params", "epochs", "global_step", "wall_time_s", "fit_time_s",
           "tokens_per_s", "padding_fraction", "peak_mem_mb", "device")
 
 

@@ -2,10 +2,14 @@
 
 Every run writes into its own Hydra output dir, which one live process holds (mhalab.train.rundir):
   metrics.json      status, best (the best checkpoint: val/*, test/*) and last_epoch (val/*) metrics, params,
-                    wall time, throughput, the resolved config, and one entry per attempt when the run was
-                    interrupted and resumed (the schema: mhalab.train.record)
-  logs/metrics.csv  Lightning's CSV log (train/loss per step, val/* per epoch, lr), continued across attempts
+                    wall time, throughput, the resolved config and data source, the provenance (git commit,
+                    versions, device), the label names and per-class results (`classes`), and one entry per
+                    attempt when the run was interrupted and resumed (the schema: mhalab.train.record)
+  logs/metrics.csv  Lightning's CSV log (train/loss, train/acc, train/device/* throughput per logging step;
+                    val/* per epoch; lr), continued across attempts; logs/hparams.yaml: the config and provenance
+  config_tree.log   the resolved config as printed at start (extras.print_config)
   loss_curves.png   train and val loss and val acc, drawn from metrics.csv
+  confusion_{validation,test}.png  the best checkpoint's confusion matrices, by class name
   checkpoints/      best (by val/acc), and last.ckpt (every epoch, every N steps, and on Ctrl-C / SIGTERM)
 Re-running a command into the dir of a run that was interrupted or killed resumes it from last.ckpt.
 """
@@ -180,11 +184,13 @@ def build(cfg: DictConfig) -> tuple[L.LightningDataModule, Classifier]:
     dm.setup("fit")
     # the datamodule's state_dict (tokenizer, label names, sampler position) is saved by Lightning
     # under its class name; record where, with the data config, so a checkpoint is self-contained
-    extras = {"datamodule_key": type(dm).__qualname__, "data": OmegaConf.to_container(cfg.data, resolve=True)}
+    # (the data config as the datamodule resolved it: absolute paths, and what data=files inferred, so that
+    # mhalab-eval rebuilds the same splits from any directory)
+    extras = {"datamodule_key": type(dm).__qualname__, "data": dm.source_config()}
     module = Classifier(
         model=OmegaConf.to_container(cfg.model, resolve=True), vocab_size=dm.vocab_size,
-        num_classes=dm.num_classes, pad_id=dm.pad_id, compile=bool(cfg.compile), checkpoint_extras=extras,
-        **OmegaConf.to_container(cfg.optim, resolve=True),
+        num_classes=dm.num_classes, label_names=dm.label_names, pad_id=dm.pad_id, compile=bool(cfg.compile),
+        checkpoint_extras=extras, **OmegaConf.to_container(cfg.optim, resolve=True),
     )
     return dm, module
 
@@ -194,6 +200,8 @@ def _fit_and_test(cfg: DictConfig, out: Path, rec: dict, stop: GracefulStop, ckp
     if ckpt_path is None and cfg.get("ckpt_path"):
         ckpt_path = str(checkpoint.resolve(str(cfg.ckpt_path)))
     dm, module = build(cfg)
+    if rec:  # the data set as resolved: absolute paths, the columns and labels data=files found
+        rec["data"] = module.checkpoint_extras["data"]
 
     loggers = _loggers(cfg, ckpt_path)
     callbacks = [instantiate(c) for c in (cfg.get("callbacks") or {}).values() if c is not None]
@@ -252,6 +260,7 @@ def _fit_and_test_best(cfg: DictConfig, trainer: L.Trainer, dm, module: Classifi
         test_res = trainer.test(module, datamodule=dm, ckpt_path=best_path, verbose=False, weights_only=True)[0]
         best.update({k: float(v) for k, v in test_res.items()})
         best["checkpoint"] = best_path
+    _write_class_reports(Path(trainer.default_root_dir), module, rec, tested=bool(best.get("checkpoint")))
     fit_total = sum(a.get("fit_time_s", 0.0) for a in rec.get("attempts", [])) or fit_s
     stopper = trainer.early_stopping_callback  # callbacks=early_stopping
     if stopper is not None:
@@ -267,6 +276,20 @@ def _fit_and_test_best(cfg: DictConfig, trainer: L.Trainer, dm, module: Classifi
         device=str(trainer.strategy.root_device),
         device_name=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
     )
+
+
+def _write_class_reports(out: Path, module: Classifier, rec: dict, tested: bool) -> None:
+    """Per-class precision / recall / F1 and the confusion matrix of validation and test into the record
+    (`classes`, with the label names) and as confusion_<split>.png. After test_after_fit: the best checkpoint's;
+    else the last validation's."""
+    if not rec:  # ranks other than 0 write nothing
+        return
+    from mhalab.train.class_report import confusion_png
+
+    rec["label_names"] = list(module.label_names)
+    rec["classes"] = {"of": "best checkpoint" if tested else "last validation", **module.class_reports}
+    for split, report in module.class_reports.items():
+        confusion_png(report, out / f"confusion_{split}.png", f"{split}, {rec['classes']['of']}")
 
 
 def _loggers(cfg: DictConfig, ckpt_path: str | None) -> list:
