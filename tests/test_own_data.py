@@ -51,6 +51,8 @@ def write(path: Path, rows, kind: str = "csv", columns=("id", "text", "category"
                                 quoting=csv.QUOTE_NONE if kind == "tsv" else csv.QUOTE_MINIMAL, escapechar=None)
             writer.writerow(columns)
             writer.writerows([r[c] for c in columns] for r in records)
+    elif kind == "csv.gz":
+        path.write_bytes(gzip.compress(write(path.with_suffix(""), rows, "csv", columns).read_bytes()))
     elif kind == "jsonl.gz":
         path.write_bytes(gzip.compress("".join(json.dumps(r) + "\n" for r in records).encode()))
     elif kind == "parquet":
@@ -98,7 +100,7 @@ def test_csv_with_string_labels_infers_columns_sorted_names_and_a_stratified_dev
     assert sorted(label for _, label in got["validation"]) == sorted(TOPICS * 3)  # round(0.1 * 30) per class
 
 
-@pytest.mark.parametrize("kind", ["tsv", "jsonl.gz", "parquet"])
+@pytest.mark.parametrize("kind", ["tsv", "csv.gz", "jsonl.gz", "parquet"])
 def test_tsv_jsonl_gz_and_parquet_give_the_csvs_rows(tmp_path, kind):
     rows = news_rows(10, labels=TOPICS)
     rows = [(t.replace('"', ""), y) for t, y in rows] if kind == "tsv" else rows  # tsv: no quoting
@@ -106,7 +108,7 @@ def test_tsv_jsonl_gz_and_parquet_give_the_csvs_rows(tmp_path, kind):
     other = dm_for(tmp_path, files={"train": str(write(tmp_path / "b" / f"news.{kind}", rows, kind))})
     assert rows_of(other) == rows_of(csv_dm)
     assert (other.format, other.text_column, other.label_column) == (
-        {"tsv": "csv", "jsonl.gz": "json", "parquet": "parquet"}[kind], "text", "category")
+        {"tsv": "csv", "csv.gz": "csv", "jsonl.gz": "json", "parquet": "parquet"}[kind], "text", "category")
     if kind == "tsv":
         assert other.delimiter == "\t" and other.quoting == csv.QUOTE_NONE
 
@@ -175,11 +177,13 @@ def test_a_test_label_train_never_saw_is_an_error_naming_it_the_split_and_file(t
     ("csv", [1, 2, 3, 4, 5, 10], ["1", "2", "3", "4", "5", "10"]),  # numeric order: "10" last, not second
     ("parquet", [-1, 1], ["-1", "1"]),  # ints in the file: matched as the names str() writes
 ])
-def test_integer_labels_are_0_to_k_names_or_sorted_numerically(tmp_path, kind, labels, names):
+def test_integer_labels_are_0_to_k_names_or_sorted_numerically(tmp_path, caplog, kind, labels, names):
     rows = [(f"text number {i} about something", labels[i % len(labels)]) for i in range(10 * len(labels))]
     dm = dm_for(tmp_path, files={"train": str(write(tmp_path / f"nums.{kind}", rows, kind))})
-    got = rows_of(dm)
+    with caplog.at_level("INFO", logger="mhalab.data.own_files"):
+        got = rows_of(dm)
     assert dm.label_names == names and dm.num_classes == len(names)
+    assert ("read as names in numeric order" in caplog.text) == (labels != list(range(len(labels))))  # said so
     assert sorted(itertools.chain(*got.values())) == sorted((t, str(y)) for t, y in rows)  # each row kept its own value
     assert infer_labels(["b", " a ", None, "b"], "f", "y").names == ["a", "b"]  # missing: left to the row check
 
@@ -212,6 +216,14 @@ def test_source_config_rebuilds_the_same_cache_and_dev_split_from_another_direct
     assert again._read_splits()["validation"] == dm._read_splits()["validation"]  # what mhalab-eval reads
 
 
+def test_data_dir_is_the_folder_relative_paths_are_read_from(tmp_path, monkeypatch):
+    write(tmp_path / "corpora" / "news.csv", news_rows(10))
+    monkeypatch.chdir(tmp_path)
+    dm = dm_for(tmp_path, files={"train": "news.csv"}, data_dir="corpora")
+    dm.validate()
+    assert dm.files == {"train": str(tmp_path / "corpora" / "news.csv")} and dm.source_config()["data_dir"] is None
+
+
 def test_a_second_run_reads_the_inferred_labels_from_the_cache_not_the_file(tmp_path, monkeypatch):
     path = write(tmp_path / "news.csv", news_rows(5))
     first = dm_for(tmp_path, files={"train": str(path)})
@@ -235,8 +247,9 @@ def test_bad_own_files_settings_are_one_line(tmp_path, monkeypatch, kwargs, erro
         dm_for(tmp_path, **kwargs).validate()
 
 
-def test_train_py_data_files_trains_a_3_class_model_with_the_sorted_names(tmp_path, monkeypatch):
+def test_data_files_run_trains_3_classes_with_sorted_names_and_evaluates_from_another_dir(tmp_path, monkeypatch):
     from mhalab.train import checkpoint
+    from mhalab.train.evaluate import evaluate
     from mhalab.train.run import run
 
     write(tmp_path / "news.csv", news_rows(30))
@@ -250,7 +263,12 @@ def test_train_py_data_files_trains_a_3_class_model_with_the_sorted_names(tmp_pa
     assert loaded.label_names == TOPICS and loaded.module.hparams["num_classes"] == 3
     assert loaded.module.model(torch.tensor([[2, 5, 3]])).shape == (1, 3)
     rec = json.loads((tmp_path / "run" / "metrics.json").read_text())
-    assert rec["status"] == "finished" and 0.0 <= rec["best"]["test/acc"] <= 1.0
+    assert rec["status"] == "finished" and 0.0 <= rec["best"]["test/acc"] <= 1.0 and rec["label_names"] == TOPICS
+    assert rec["data"]["files"]["train"] == str(tmp_path / "news.csv")  # the source_config(), absolute
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")  # mhalab-eval from another directory: the same dev hold-out
+    res = evaluate(tmp_path / "run", split="validation")
+    assert res["examples"] == 9 and res["classes"]["support"] == [3, 3, 3]
 
 
 def test_the_command_line_prints_an_ambiguous_file_as_one_error_line(tmp_path, monkeypatch):
