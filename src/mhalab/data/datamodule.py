@@ -68,36 +68,14 @@ class TextClassificationDataModule(L.LightningDataModule):
     """
 
     def __init__(
-        self,
-        name: str,
-        files: dict[str, str],
-        text_column: str = "text",
-        label_column: str = "label",
-        num_classes: int | None = None,
-        label_names: list[str] | None = None,
-        data_dir: str | None = None,
-        format: str = "csv",
-        delimiter: str = ",",
-        quoting: int = 0,
-        encoding: str = "utf-8",
-        hub: dict | None = None,
-        dev_split: float | None = None,
-        seed: int = 42,
-        tokenizer_kind: str = "wordpiece",
-        vocab_size: int = 8000,
-        lowercase: bool = True,
-        min_frequency: int = 2,
-        cache_dir: str | None = None,
-        max_len: int = 128,
-        batch_size: int = 32,
-        eval_batch_size: int | None = None,
-        bucketing: bool = True,
-        bucket_batches: int = 50,
-        fixed_len: bool = False,
-        drop_last: bool = False,
-        num_workers: int = 0,
-        pin_memory: bool | None = None,
-        on_bad_rows: str = "error",
+        self, name: str, files: dict[str, str], text_column: str = "text", label_column: str = "label",
+        num_classes: int | None = None, label_names: list[str] | None = None, data_dir: str | None = None,
+        format: str = "csv", delimiter: str = ",", quoting: int = 0, encoding: str = "utf-8",
+        hub: dict | None = None, dev_split: float | None = None, seed: int = 42,
+        tokenizer_kind: str = "wordpiece", vocab_size: int = 8000, lowercase: bool = True, min_frequency: int = 2,
+        cache_dir: str | None = None, max_len: int = 128, batch_size: int = 32, eval_batch_size: int | None = None,
+        bucketing: bool = True, bucket_batches: int = 50, fixed_len: bool = False, drop_last: bool = False,
+        num_workers: int = 0, pin_memory: bool | None = None, on_bad_rows: str = "error",
     ):
         super().__init__()
         # Hydra hands over DictConfig / ListConfig: make them plain so they hash and pickle simply.
@@ -116,7 +94,7 @@ class TextClassificationDataModule(L.LightningDataModule):
         self.num_workers, self._pin_memory_setting = num_workers, pin_memory
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
         self.on_bad_rows = on_bad_rows
-        self._check_arguments(num_classes, label_names)
+        self.encoding = check_arguments(self, num_classes, label_names)  # before anything is read
         self._set_labels(num_classes, label_names)
         cache_root = cache_dir or os.environ.get(CACHE_DIR_ENV) or "~/.cache/mhalab"
         self.cache_root = Path(cache_root).expanduser()
@@ -140,9 +118,6 @@ class TextClassificationDataModule(L.LightningDataModule):
             self.num_classes = num_classes if num_classes is not None else len(label_names)
             self.label_names = [str(n) for n in label_names] if label_names else [str(i) for i in range(self.num_classes)]
         self._labels_are_names, self._names_only = bool(label_names), names_only
-
-    def _check_arguments(self, num_classes, label_names) -> None:
-        self.encoding = check_arguments(self, num_classes, label_names)
 
     def validate(self) -> None:
         """Checks of the source (data directory, files, header columns, delimiter), before any loading;
