@@ -211,6 +211,10 @@ def _compose_case(group: str, option: str, out: Path, toy_data_dir: Path, cache:
         assert hcfg.hydra.mode == RunMode.MULTIRUN, hcfg.hydra.mode
         member = {k: _first(v) for k, v in (hcfg.hydra.sweeper.params or {}).items()}
         overrides += [f"{k}={v}" for k, v in member.items()]
+    if (group, option) == ("data", "files"):  # the user's own files: here TREC's, by their paths
+        member = {"data.data_dir": str(SHARED_DATA), "data.files.train": "trec/train.tsv",
+                  "data.files.test": "trec/test.tsv", "data.label_column": "coarse_label"}
+        overrides += [f"{k}={v}" for k, v in member.items()]
     real = group in REAL_DATA or any(o.startswith("data=") for o in overrides)
     if real or group == "trainer":  # as typed: compose_train would set the sizes (and the trainer to CPU)
         cfg = _compose_as_typed(overrides, out, cache)
@@ -240,7 +244,8 @@ def _check_model(cfg, dm, module, real: bool) -> None:
     encoder = model.encoder.layers if hasattr(model.encoder, "layers") else model.encoder.encoder.layers
     assert model.embed.embedding_dim == cfg.model.dim and len(encoder) == cfg.model.layers
     assert {lyr.self_attn.num_heads for lyr in encoder} == {cfg.model.heads}
-    assert model.head.out_features == dm.num_classes == cfg.data.get("num_classes", dm.num_classes)
+    # (num_classes null: found from the train file, as data=files does; TREC's 6 coarse classes here)
+    assert model.head.out_features == dm.num_classes == (cfg.data.get("num_classes") or dm.num_classes)
     assert model.embed.num_embeddings == dm.vocab_size
 
 

@@ -271,6 +271,20 @@ def test_data_files_run_trains_3_classes_with_sorted_names_and_evaluates_from_an
     assert res["examples"] == 9 and res["classes"]["support"] == [3, 3, 3]
 
 
+def test_a_run_with_only_a_train_file_finishes_with_validation_results_and_no_test(tmp_path, monkeypatch):
+    from mhalab.train.run import run
+
+    write(tmp_path / "news.csv", news_rows(30))
+    monkeypatch.chdir(tmp_path)
+    cfg = compose_train(["data=files", "data.files.train=news.csv", "+trainer.max_steps=2", "max_epochs=1",
+                         "num_threads=1", "extras.print_config=false"], tmp_path / "run", cache=tmp_path / "cache")
+    run(cfg)
+    rec = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert rec["status"] == "finished" and "val/acc" in rec["best"]
+    assert not any(k.startswith("test/") for k in rec["best"]) and "test" not in rec["classes"]
+    assert sum(rec["classes"]["validation"]["support"]) == 9  # the held-out 10% of 90 rows
+
+
 def test_the_command_line_prints_an_ambiguous_file_as_one_error_line(tmp_path, monkeypatch):
     sys.path.insert(0, str(REPO / "tests"))
     from cli_driver import run_one

@@ -257,8 +257,9 @@ def _fit_and_test_best(cfg: DictConfig, trainer: L.Trainer, dm, module: Classifi
         # the best checkpoint by val/acc, evaluated once on val (for its val/loss) and once on test
         val_res = trainer.validate(module, datamodule=dm, ckpt_path=best_path, verbose=False, weights_only=True)[0]
         best.update({k: float(v) for k, v in val_res.items()})
-        test_res = trainer.test(module, datamodule=dm, ckpt_path=best_path, verbose=False, weights_only=True)[0]
-        best.update({k: float(v) for k, v in test_res.items()})
+        if "test" in dm.splits:  # a data=files run may have no test file: its record has val/* only
+            test_res = trainer.test(module, datamodule=dm, ckpt_path=best_path, verbose=False, weights_only=True)[0]
+            best.update({k: float(v) for k, v in test_res.items()})
         best["checkpoint"] = best_path
     _write_class_reports(Path(trainer.default_root_dir), module, rec, tested=bool(best.get("checkpoint")))
     fit_total = sum(a.get("fit_time_s", 0.0) for a in rec.get("attempts", [])) or fit_s
