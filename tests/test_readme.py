@@ -166,11 +166,22 @@ def _expand(words: list[str], state: dict) -> tuple[list[str], str]:
     return cmd + extra, "sweep" if sweep else "run"
 
 
+def _write_questions(root: Path) -> None:
+    topics = {"HUM": "Who wrote {}, the novel ?", "LOC": "Where is {} , exactly ?", "NUM": "How many {} are there ?"}
+    things = ["moby dick", "paris", "the moon", "rivers", "cats", "bridges", "stars", "kings"]
+    for name, n in (("questions.csv", 96), ("questions_test.csv", 24)):
+        rows = ["question,topic"] + [f'"{topics[t].format(things[i % 8])}",{t}'
+                                     for i in range(n) for t in [sorted(topics)[i % 3]]]
+        (root / name).write_text("\n".join(rows) + "\n")
+
+
 @pytest.mark.parametrize("words", COMMANDS, ids=[_id(w) for w in COMMANDS])
 def test_readme_command_runs_as_written(words, checkout):
     cmd, kind = _expand(words, checkout)
     if words[0] == "mhalab-predict":  # the README's input file, one text per line
         (checkout["root"] / "texts.txt").write_text("a gripping , funny film\nflat , dull and far too long\n")
+    if "data=files" in words:  # the README's own files: CSVs of questions with string labels, commas quoted
+        _write_questions(checkout["root"])
     env = dict(os.environ, MHALAB_CACHE_DIR=str(REPO / ".cache"), WANDB_MODE="offline", PYTHONHASHSEED="0")
     proc = subprocess.run(cmd, cwd=checkout["root"], env=env, capture_output=True, text=True, timeout=900,
                           check=False)

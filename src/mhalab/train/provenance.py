@@ -7,6 +7,7 @@ git is absent: a field that cannot be known is None.
 
 from __future__ import annotations
 
+import os
 import platform
 import subprocess
 import sys
@@ -56,8 +57,19 @@ def device(root_device: torch.device | str | None = None) -> dict:
     if dev.type == "cuda":
         return {"device": str(dev), "device_name": torch.cuda.get_device_name(dev),
                 "device_count": torch.cuda.device_count(), "cuda": torch.version.cuda}
-    return {"device": str(dev), "device_name": platform.processor() or platform.machine(),
-            "device_count": 1, "cpu_threads": torch.get_num_threads()}
+    return {"device": str(dev), "device_name": _cpu_name(), "device_count": 1,
+            "cpu_count": os.cpu_count(), "cpu_threads": torch.get_num_threads()}
+
+
+def _cpu_name() -> str:
+    """The CPU's model name (Linux: /proc/cpuinfo), else what platform knows (often only 'x86_64')."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def provenance(root_device: torch.device | str | None = None) -> dict:
