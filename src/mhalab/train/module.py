@@ -93,11 +93,13 @@ class Classifier(L.LightningModule):
             "acc": MulticlassAccuracy(num_classes, average="micro"),
             "f1": MulticlassF1Score(num_classes, average="macro"),
         })
-        self.val_metrics = metrics.clone(prefix="val/")
-        self.test_metrics = metrics.clone(prefix="test/")
-        self.train_acc = MulticlassAccuracy(num_classes, average="micro")
-        self.val_classes = _per_class_metrics(num_classes)
-        self.test_classes = _per_class_metrics(num_classes)
+        # under one ModuleDict: they move with the model, and the model summary shows them as one group
+        # (their states are not persistent: checkpoints hold no metric keys, whatever their attribute names)
+        self.metrics = torch.nn.ModuleDict({
+            "train_acc": MulticlassAccuracy(num_classes, average="micro"),
+            "val": metrics.clone(prefix="val/"), "test": metrics.clone(prefix="test/"),
+            "val_classes": _per_class_metrics(num_classes), "test_classes": _per_class_metrics(num_classes),
+        })
         self.label_names = [str(x) for x in label_names] if label_names is not None else default_labels(num_classes)
         self.class_reports: dict[str, dict] = {}  # "validation" / "test" -> class_report.build_report(...)
         # what the FLOPs of a batch depend on: the model's config with SequenceClassifier's defaults filled in
@@ -131,10 +133,10 @@ class Classifier(L.LightningModule):
         self.token_counts += torch.stack([real, pad.sum()])  # stays on device: no sync per step
         # host ints only (shapes and the collate's num_tokens): no sync; the throughput callback reads it
         self.flops_per_batch = self.batch_flops(batch)
-        acc = self.train_acc(logits, batch["labels"])  # this batch's accuracy; the metric keeps the epoch's
+        acc = self.metrics["train_acc"](logits, batch["labels"])  # this batch's accuracy; the metric keeps the epoch's
         self.log("train/loss", loss, prog_bar=True)
         self.log("train/acc", acc)
-        self.log("train/acc_epoch", self.train_acc, on_step=False, on_epoch=True)
+        self.log("train/acc_epoch", self.metrics["train_acc"], on_step=False, on_epoch=True)
         self.log("train/pad_frac", pad.float().mean())
         return loss
 
@@ -152,16 +154,16 @@ class Classifier(L.LightningModule):
         self.log_dict(metrics, prog_bar=prefix == "val")
 
     def validation_step(self, batch, batch_idx):
-        self._eval_step(batch, self.val_metrics, self.val_classes, "val")
+        self._eval_step(batch, self.metrics["val"], self.metrics["val_classes"], "val")
 
     def test_step(self, batch, batch_idx):
-        self._eval_step(batch, self.test_metrics, self.test_classes, "test")
+        self._eval_step(batch, self.metrics["test"], self.metrics["test_classes"], "test")
 
     def on_validation_epoch_end(self):
-        self._class_report(self.val_classes, "val")
+        self._class_report(self.metrics["val_classes"], "val")
 
     def on_test_epoch_end(self):
-        self._class_report(self.test_classes, "test")
+        self._class_report(self.metrics["test_classes"], "test")
 
     def _class_report(self, classes: MetricCollection, prefix: str) -> None:
         """The epoch's per-class report into class_reports (and per-class f1 to the loggers, for few classes)."""
