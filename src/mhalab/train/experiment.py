@@ -9,14 +9,11 @@ and its provenance (git commit and dirty flag, library versions, device: mhalab.
 from __future__ import annotations
 
 import io
-import logging
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
-
-log = logging.getLogger("mhalab")
 
 TREE_FILE = "config_tree.log"
 # the groups shown first, in this order (then the rest of the root keys: shortcuts, seed, paths, extras...)

@@ -39,7 +39,7 @@ from mhalab.train.config import instantiate, validate
 from mhalab.train.loggers import finish
 from mhalab.train.memory import peak_memory_mb, reset_peak_memory
 from mhalab.train.module import Classifier
-from mhalab.train.provenance import provenance
+from mhalab.train.provenance import device, provenance
 from mhalab.train.rundir import RunLock
 
 log = logging.getLogger("mhalab")
@@ -212,7 +212,7 @@ def _fit_and_test(cfg: DictConfig, out: Path, rec: dict, stop: GracefulStop, ckp
     trainer = L.Trainer(**OmegaConf.to_container(cfg.trainer, resolve=True), logger=loggers,
                         callbacks=callbacks, default_root_dir=str(out))
     if rec:  # rank 0: every logger gets the whole config and the provenance, as metrics.json does
-        rec["provenance"] = provenance(trainer.strategy.root_device)
+        rec["provenance"].update(device(trainer.strategy.root_device))  # the device the trainer chose
         experiment.log_hyperparameters(trainer.loggers, experiment.hyperparameters(cfg, rec["provenance"],
                                                                                   rec.get("overrides", [])))
     for lg in loggers:

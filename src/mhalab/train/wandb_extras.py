@@ -52,7 +52,7 @@ class WandbExtras(L.Callback):
         with torch.no_grad():  # one more forward pass over the logged examples: the table is opt-in
             probs = pl_module(batch["input_ids"], batch["padding_mask"]).float().softmax(-1)  # (B, C)
         conf, pred = probs.max(-1)
-        names = list(getattr(trainer.datamodule, "label_names", None) or []) if trainer.datamodule else []
+        names = pl_module.label_names  # one name per class (Classifier: the data's, else "0".."K-1")
         tokenizer = getattr(trainer.datamodule, "tokenizer", None) if trainer.datamodule else None
         ids, pad = batch["input_ids"].cpu(), batch["padding_mask"].cpu()
         for i in range(len(ids)):
@@ -61,7 +61,7 @@ class WandbExtras(L.Callback):
             real = ids[i][~pad[i]].tolist()
             text = tokenizer.decode(real) if tokenizer is not None else " ".join(map(str, real))
             true, guess = int(batch["labels"][i]), int(pred[i])
-            self._rows.append([text, _name(names, true), _name(names, guess), float(conf[i]), true == guess])
+            self._rows.append([text, names[true], names[guess], float(conf[i]), true == guess])
 
     def on_test_epoch_end(self, trainer, pl_module):
         logger = self._wandb(trainer)
@@ -69,7 +69,3 @@ class WandbExtras(L.Callback):
             return
         logger.log_table(key="test/predictions", columns=["text", "label", "predicted", "confidence", "correct"],
                          data=self._rows)
-
-
-def _name(names: list[str], i: int) -> str:
-    return names[i] if i < len(names) else str(i)
