@@ -121,7 +121,8 @@ def test_every_format_reads_exactly_and_batches(tmp_path, kind):
         assert width == int(b["lengths"].max())  # dynamic padding: to the longest in the batch
         assert b["padding_mask"].sum(1).tolist() == (width - b["lengths"]).tolist()
         assert (b["input_ids"][b["padding_mask"]] == PAD_ID).all() and (b["input_ids"][:, 0] == CLS_ID).all()
-        assert set(b) == {"input_ids", "padding_mask", "labels", "lengths", "num_tokens"}
+        assert set(b) == {"input_ids", "padding_mask", "labels", "lengths", "num_tokens", "seqlens"}
+        assert b["seqlens"].lengths == b["lengths"].tolist()
         assert b["num_tokens"] == int(b["lengths"].sum())  # the real tokens, a host int (no device sync)
     lengths = [int(x) for b in batches for x in b["lengths"]]
     assert lengths == sorted(lengths, reverse=True)  # evaluation batches: sorted by length

@@ -42,7 +42,7 @@ def _counted(model: torch.nn.Module, ids, pad, backward: bool = False) -> int:
 
 def _analytic(cfg: dict, lengths: list[int], width: int) -> int:
     opts = {**ATTENTION_OPTIONS, **cfg.get("attention_options", {})}
-    return forward_flops(batch=len(lengths), seq_len=width, num_tokens=sum(lengths), num_classes=CLASSES,
+    return forward_flops(batch=len(lengths), seq_len=width, num_tokens=sum(lengths), lengths=lengths, num_classes=CLASSES,
                          **{**SMALL, **cfg, "attention_options": opts})
 
 
@@ -75,14 +75,16 @@ def test_analytic_forward_flops_equal_flop_counter_mode_on_a_padded_batch(name):
 
 
 def test_padded_batch_costs_fewer_flops_than_the_same_batch_computed_at_every_position():
-    """Unpadding is in the count: the real tokens' share of the position-wise FLOPs, not B * L."""
+    """Unpadding is in the count: the real tokens' share of the position-wise FLOPs, not B * L, and attention
+    per sequence (sum of n^2, not B * L^2)."""
     lengths, width = [20, 13, 7, 16], 20
     unpadded = _analytic({}, lengths, width)
     every_position = _analytic({"encoder": "official"}, lengths, width)
     B, E, F = len(lengths), SMALL["dim"], SMALL["ff_dim"]
     pads = B * width - sum(lengths)
     per_position = SMALL["layers"] * (8 * E * E + 4 * E * F)  # in-projection, W_O and the feed-forward
-    assert every_position - unpadded == pads * per_position
+    attention_saved = SMALL["layers"] * 4 * E * (B * width**2 - sum(n * n for n in lengths))  # Q K^T and A V
+    assert every_position - unpadded == pads * per_position + attention_saved
 
 
 def test_training_flops_are_three_forwards_and_equal_the_counted_forward_and_backward():
@@ -91,7 +93,8 @@ def test_training_flops_are_three_forwards_and_equal_the_counted_forward_and_bac
     model = SequenceClassifier(vocab_size=50, num_classes=CLASSES, max_len=width, **SMALL).train()
     ids, pad = _batch(lengths, width)
     counted = _counted(model, ids, pad, backward=True)
-    kwargs = {"batch": len(lengths), "seq_len": width, "num_tokens": sum(lengths), "num_classes": CLASSES, **SMALL}
+    kwargs = {"batch": len(lengths), "seq_len": width, "num_tokens": sum(lengths), "lengths": lengths,
+              "num_classes": CLASSES, **SMALL}
     assert counted == train_flops(**kwargs) == TRAIN_FACTOR * forward_flops(**kwargs)
 
 

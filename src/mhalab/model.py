@@ -31,6 +31,8 @@ from mhalab.nn.attention import BLOCK_MIN_SCORES, QUERY_BLOCK, MultiHeadAttentio
 from mhalab.nn.encoder import OfficialEncoder, TransformerEncoder, TransformerEncoderLayer
 from mhalab.nn.kernels import LinformerAttention, PerformerAttention, WindowAttention
 from mhalab.nn.positions import ALiBi, LearnedPosition, RotaryEmbedding, SinusoidalPosition, T5RelativeBias
+from mhalab.nn.unpad import Unpadding
+from mhalab.nn.varlen import SeqLens
 
 ATTENTIONS = ("full", "window", "linformer", "performer")
 POSITIONS = ("sinusoidal", "learned", "rope", "alibi", "t5")
@@ -211,8 +213,17 @@ class SequenceClassifier(nn.Module):
         self.drop = nn.Dropout(dropout)
         self.head = nn.Linear(dim, num_classes)
 
-    def forward(self, input_ids: Tensor, padding_mask: Tensor | None = None) -> Tensor:
-        # input_ids: (B, L) token ids; padding_mask: (B, L) True at pads
+    def forward(self, input_ids: Tensor, padding_mask: Tensor | None = None, seqlens: SeqLens | None = None) -> Tensor:
+        """Logits (B, C) of a padded batch, input_ids (B, L) with padding_mask (B, L) True at pads (default:
+        the pad id's positions); or of a packed one: input_ids (N,), the B sequences back to back, with their
+        lengths `seqlens` (nn.varlen.SeqLens, as data.collate.PackedCollate gives them).
+        A right-padded batch may come with its seqlens too (data.collate.Collate adds them): then its real
+        tokens are packed at once and take the packed path, where every shape is known on the host (no
+        device sync on CUDA) and nothing is computed for the pads. Same logits either way."""
+        if seqlens is not None:
+            if input_ids.dim() == 2:  # (B, L) right-padded -> (N,) real tokens
+                input_ids = Unpadding.from_seqlens(seqlens, input_ids.device, input_ids.size(1)).pack(input_ids)
+            return self._forward_packed(input_ids, seqlens)
         if padding_mask is None:
             padding_mask = input_ids == self.pad_id
         x = self.embed(input_ids)  # (B, L, E)
@@ -227,6 +238,26 @@ class SequenceClassifier(nn.Module):
         else:
             keep = (~padding_mask).unsqueeze(-1).to(x.dtype)  # (B, L, 1)
             pooled = (x * keep).sum(1) / keep.sum(1).clamp(min=1.0)  # mean over real tokens
+        return self.head(self.drop(pooled))  # (B, C)
+
+    def _forward_packed(self, input_ids: Tensor, seqlens: SeqLens) -> Tensor:
+        """The padded forward's logits, computed on the N real tokens only: no pads anywhere (the custom encoder
+        attends per sequence, nn.varlen); PyTorch's encoder gets them padded, as it needs."""
+        if input_ids.dim() != 1 or input_ids.size(0) != seqlens.num_tokens:
+            raise ValueError(f"packed input_ids must be (N,) = ({seqlens.num_tokens},), the sequences back to back; "
+                             f"got {tuple(input_ids.shape)}.")
+        x = self.embed(input_ids)  # (N, E)
+        if self.cls is not None:
+            x, seqlens = seqlens.with_prefix(x, self.cls.view(-1))  # (N + B, E): CLS first in each sequence
+        if self.pos is not None:
+            x = self.pos.packed(x, seqlens.positions(x.device), seqlens.max_seqlen)
+        x = self.embed_drop(x)
+        unpad = Unpadding.from_seqlens(seqlens, x.device)  # the padded layout, for whatever needs it
+        if isinstance(self.encoder, TransformerEncoder):
+            x = self.encoder.forward_packed(x, unpad)  # (N, E)
+        else:  # (N, E) -> (B, L, E) -> PyTorch's encoder -> (N, E)
+            x = unpad.pack(self.encoder(unpad.unpack(x), src_key_padding_mask=unpad.key_padding_mask))
+        pooled = x.index_select(0, seqlens.starts(x.device)) if self.pooling == "cls" else seqlens.mean(x)  # (B, E)
         return self.head(self.drop(pooled))  # (B, C)
 
     def with_encoder(self, kind: str) -> SequenceClassifier:

@@ -8,6 +8,7 @@ from mhalab.data.tokenizer import KINDS, SPECIALS, min_vocab_size
 from mhalab.errors import ConfigError
 
 SPLITS = ("train", "validation", "test")  # the splits a data set may have; train is required
+BATCHINGS = ("bucketed", "shuffled", "packed")  # how training batches are drawn (data/sampler.py)
 
 
 def check_arguments(dm, num_classes: int | None, label_names: list | None) -> str:
@@ -31,6 +32,15 @@ def check_arguments(dm, num_classes: int | None, label_names: list | None) -> st
             f"{' + 256 byte symbols' if dm.tokenizer_kind == 'bpe' else ' + at least one token'}); raise vocab_size.")
     if dm.max_len < 3:
         bad(f"max_len={dm.max_len} is too small: it must be >= 3 ([CLS], [SEP] and one token); raise max_len.")
+    if dm.batching not in BATCHINGS:
+        bad(f"batching='{dm.batching}' is not supported; choose one of {list(BATCHINGS)} (bucketed: length-sorted "
+            "chunks; shuffled: plain random batches; packed: random order, back to back, no padding).")
+    if dm.batching == "packed" and dm.fixed_len:
+        bad("batching=packed has no padding, so fixed_len=true (pad every batch to max_len) cannot apply; "
+            "set one or the other.")
+    if dm.tokens_per_batch is not None and (dm.batching != "packed" or dm.tokens_per_batch < 1):
+        bad(f"tokens_per_batch={dm.tokens_per_batch} applies to batching=packed only, as an integer >= 1 (now "
+            f"batching={dm.batching}); set data.batching=packed or tokens_per_batch=null.")
     if dm.batch_size < 1 or dm.eval_batch_size < 1:
         bad(f"batch_size={dm.batch_size} / eval_batch_size={dm.eval_batch_size} must be >= 1.")
     if label_names is None and num_classes is None and not dm.infers_labels:

@@ -1,4 +1,5 @@
-"""Encoded examples, the collate that pads them into batches, and the padding fraction of batches."""
+"""Encoded examples, the collates that pad them into batches or pack them back to back, and the padding
+fraction of batches."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import numpy as np
 import torch
 from torch import Tensor
 from torch.utils.data import Dataset
+
+from mhalab.nn.varlen import SeqLens
 
 
 class EncodedSplit(Dataset):
@@ -42,10 +45,11 @@ class Collate:
     batches, only to measure what dynamic padding saves). A class, not a closure, so DataLoader
     workers can pickle it.
 
-    A batch: input_ids (B, L), padding_mask (B, L) True at pads, labels (B,), lengths (B,), and
-    num_tokens, the real (non-pad) tokens as a Python int: counted here, on the CPU, so that the
-    training side (the throughput monitor, the FLOPs per batch) reads it without a host sync of a
-    device tensor (Lightning's device transfer moves tensors only; an int stays an int)."""
+    A batch: input_ids (B, L), padding_mask (B, L) True at pads, labels (B,), lengths (B,), seqlens (the
+    lengths on the host, nn.varlen.SeqLens), and num_tokens, the real (non-pad) tokens as a Python int.
+    The host values are counted here, on the CPU, so that the training side (the model's shapes, the
+    throughput monitor, the FLOPs per batch) reads them without a host sync of a device tensor
+    (Lightning's device transfer moves tensors only; an int or a SeqLens stays as it is)."""
 
     def __init__(self, pad_id: int = 0, pad_to: int | None = None):
         self.pad_id, self.pad_to = pad_id, pad_to
@@ -64,6 +68,24 @@ class Collate:
             "labels": torch.tensor([label for _, label in items], dtype=torch.long),
             "lengths": lengths,
             "num_tokens": int(lengths.sum()),
+            "seqlens": SeqLens(lengths.tolist()),  # the same lengths as host ints (SequenceClassifier.forward)
+        }
+
+
+class PackedCollate:
+    """Lays a list of (ids, label) back to back, no padding (data.batching=packed): input_ids (N,), the B
+    sequences' ids concatenated, with seqlens (nn.varlen.SeqLens: their lengths as host ints, so the model
+    finds every shape without a device sync), labels (B,), lengths (B,) and num_tokens N as a Python int.
+    SequenceClassifier(input_ids, seqlens=seqlens) computes the logits of the padded batch, on real tokens."""
+
+    def __call__(self, items: Sequence[tuple[Tensor, int]]) -> dict[str, Tensor | int | SeqLens]:
+        lengths = [len(ids) for ids, _ in items]
+        return {
+            "input_ids": torch.cat([ids for ids, _ in items]).long(),  # (N,)
+            "seqlens": SeqLens(lengths),
+            "labels": torch.tensor([label for _, label in items], dtype=torch.long),
+            "lengths": torch.tensor(lengths, dtype=torch.long),
+            "num_tokens": sum(lengths),
         }
 
 
@@ -71,6 +93,9 @@ def padding_fraction(batches: Iterable[dict[str, Tensor]]) -> float:
     """Pad positions / all positions over batches (compute spent on nothing)."""
     pad = total = 0
     for batch in batches:
+        if "padding_mask" not in batch:  # packed: no pads
+            total += batch["num_tokens"]
+            continue
         pad += int(batch["padding_mask"].sum())
         total += batch["padding_mask"].numel()
     return pad / max(total, 1)

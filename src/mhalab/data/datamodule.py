@@ -32,7 +32,7 @@ from torch.utils.data import DataLoader
 
 from mhalab.data.arguments import SPLITS, check_arguments
 from mhalab.data.cache import CACHE_DIR_ENV, CACHE_VERSION, cache_paths, write_atomic
-from mhalab.data.collate import Collate, EncodedSplit
+from mhalab.data.collate import Collate, EncodedSplit, PackedCollate
 from mhalab.data.holdout import stratified_holdout
 from mhalab.data.reading import (
     DATA_DIR_ENV,
@@ -44,7 +44,7 @@ from mhalab.data.reading import (
     read_columns,
     resolve_data_dir,
 )
-from mhalab.data.sampler import LengthBatchSampler
+from mhalab.data.sampler import LengthBatchSampler, PackedBatchSampler
 from mhalab.data.tokenizer import CLS_ID, PAD_ID, encode_texts, load_tokenizer, train_tokenizer
 from mhalab.errors import DataError
 
@@ -74,7 +74,8 @@ class TextClassificationDataModule(L.LightningDataModule):
         hub: dict | None = None, dev_split: float | None = None, seed: int = 42,
         tokenizer_kind: str = "wordpiece", vocab_size: int = 8000, lowercase: bool = True, min_frequency: int = 2,
         cache_dir: str | None = None, max_len: int = 128, batch_size: int = 32, eval_batch_size: int | None = None,
-        bucketing: bool = True, bucket_batches: int = 50, fixed_len: bool = False, drop_last: bool = False,
+        batching: str = "bucketed", bucket_batches: int = 50, tokens_per_batch: int | None = None,
+        fixed_len: bool = False, drop_last: bool = False,
         num_workers: int = 0, pin_memory: bool | None = None, on_bad_rows: str = "error",
     ):
         super().__init__()
@@ -90,7 +91,8 @@ class TextClassificationDataModule(L.LightningDataModule):
         self.lowercase, self.min_frequency = lowercase, min_frequency
         self.max_len, self.batch_size = max_len, batch_size
         self.eval_batch_size = eval_batch_size or batch_size
-        self.bucketing, self.bucket_batches, self.fixed_len, self.drop_last = bucketing, bucket_batches, fixed_len, drop_last
+        self.batching, self.bucket_batches, self.tokens_per_batch = batching, bucket_batches, tokens_per_batch
+        self.fixed_len, self.drop_last = fixed_len, drop_last
         self.num_workers, self._pin_memory_setting = num_workers, pin_memory
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
         self.on_bad_rows = on_bad_rows
@@ -268,7 +270,7 @@ class TextClassificationDataModule(L.LightningDataModule):
         train = self._sampler("train", train=True).padding_fraction(0, pad_to)
         val = self._sampler("validation", train=False).padding_fraction(0, pad_to)
         log.info("%s padding fraction (batch %d, %s): train %.1f%% (epoch 0), validation %.1f%%", self.name,
-                 self.batch_size, "fixed max_len" if self.fixed_len else ("bucketed" if self.bucketing else "shuffled"),
+                 self.batch_size, "fixed max_len" if self.fixed_len else self.batching,
                  100 * train, 100 * val)
 
     def _split(self, split: str) -> EncodedSplit:
@@ -280,9 +282,13 @@ class TextClassificationDataModule(L.LightningDataModule):
 
     def _sampler(self, split: str, train: bool) -> LengthBatchSampler:
         if train:
+            common = {"drop_last": self.drop_last, "seed": self.seed}
+            if self.batching == "packed":
+                return PackedBatchSampler(self._split(split).lengths, self.batch_size,
+                                          tokens_per_batch=self.tokens_per_batch, **common)
             return LengthBatchSampler(self._split(split).lengths, self.batch_size, shuffle=True,
-                                      bucketing=self.bucketing, drop_last=self.drop_last, seed=self.seed,
-                                      bucket_batches=self.bucket_batches)
+                                      bucketing=self.batching == "bucketed", bucket_batches=self.bucket_batches,
+                                      **common)
         # Evaluation: sorted by length, not shuffled, and not sharded: every rank sees every example
         # once, so metrics need no de-duplication and uneven ranks cannot hang a collective.
         return LengthBatchSampler(self._split(split).lengths, self.eval_batch_size, shuffle=False, shard=False)
@@ -292,8 +298,12 @@ class TextClassificationDataModule(L.LightningDataModule):
         # from torch's global RNG, which dropout uses too. A run resumed at an epoch's end restores that RNG
         # after its first iterator exists, so the uninterrupted run's draw for epoch 1's iterator would be
         # missing, and every later dropout mask shifted (val/loss off by ~2e-5; tests/test_faults.py).
+        if isinstance(sampler, PackedBatchSampler):  # training with batching=packed: back to back, no pads
+            collate = PackedCollate()
+        else:
+            collate = Collate(PAD_ID, self.max_len if self.fixed_len else None)
         return DataLoader(
-            self._split(split), batch_sampler=sampler, collate_fn=Collate(PAD_ID, self.max_len if self.fixed_len else None),
+            self._split(split), batch_sampler=sampler, collate_fn=collate,
             num_workers=self.num_workers, pin_memory=self.pin_memory, persistent_workers=self.num_workers > 0,
             generator=torch.Generator().manual_seed(self.seed),
         )
@@ -357,8 +367,8 @@ class TextClassificationDataModule(L.LightningDataModule):
             "dev_split": self.dev_split, "seed": self.seed, "on_bad_rows": self.on_bad_rows,
             "tokenizer_kind": self.tokenizer_kind, "vocab_size": self.target_vocab_size, "lowercase": self.lowercase,
             "min_frequency": self.min_frequency, "cache_dir": str(self.cache_root.absolute()), "max_len": self.max_len,
-            "batch_size": self.batch_size, "eval_batch_size": self.eval_batch_size, "bucketing": self.bucketing,
-            "bucket_batches": self.bucket_batches, "fixed_len": self.fixed_len, "drop_last": self.drop_last,
+            "batch_size": self.batch_size, "eval_batch_size": self.eval_batch_size, "batching": self.batching,
+            "bucket_batches": self.bucket_batches, "tokens_per_batch": self.tokens_per_batch, "fixed_len": self.fixed_len, "drop_last": self.drop_last,
             "num_workers": self.num_workers, "pin_memory": self._pin_memory_setting,
         }
 

@@ -9,6 +9,7 @@ Training order for epoch e (bucketing=True), seeded by (seed, e) so every rank c
      same number of disjoint batches (the < W left over differ from epoch to epoch).
 bucketing=False skips step 2 (plain shuffled batches). shuffle=False (evaluation) yields the
 indices sorted by length, longest first (fast, deterministic, and any OOM shows up at once).
+PackedBatchSampler (data.batching=packed) cuts the shuffled order by tokens instead (see there).
 
 Because the sampler shards by itself, train with Lightning's `use_distributed_sampler=False`.
 """
@@ -128,3 +129,45 @@ class LengthBatchSampler(Sampler[list[int]]):
             pad += int((width - lens).sum())
             total += width * len(batch)
         return pad / max(total, 1)
+
+
+class PackedBatchSampler(LengthBatchSampler):
+    """Batches of about the same number of real tokens, sequences in plain random order (data.batching=packed).
+
+    Epoch e: shuffle all indices (seeded by (seed, e), as the other modes), then cut that order into K batches
+    of consecutive sequences at the token quantiles: batch k ends at the first sequence where the running
+    token count reaches (k + 1) / K of the epoch's tokens. So every batch holds total / K tokens give or take
+    one sequence, whatever its lengths, and a batch's content is a plain shuffle's (no length sorting across
+    the data set, unlike bucketing). The packed collate lays them back to back with no padding.
+    K is the number of batches the other modes give (ceil(n / batch_size), or n // batch_size with
+    drop_last), so steps per epoch and the lr schedule are the same; tokens_per_batch=T sets K = ceil(total /
+    T) instead. Within a batch the indices are sorted by length, longest first: the order varlen attention
+    visits them in (nn.varlen.SeqLens), so equal lengths run as one call with no gather. Sharding and
+    mid-epoch resume are the parent's (whole batches per rank, batches_yielded).
+    """
+
+    def __init__(self, lengths: Sequence[int], batch_size: int, *, tokens_per_batch: int | None = None, **kwargs):
+        super().__init__(lengths, batch_size, shuffle=True, bucketing=False, **kwargs)
+        if tokens_per_batch is not None and tokens_per_batch < 1:
+            raise ValueError(f"tokens_per_batch must be >= 1 or null, got {tokens_per_batch}.")
+        self.tokens_per_batch = tokens_per_batch
+
+    def _num_global_batches(self) -> int:
+        if self.tokens_per_batch is None:
+            return super()._num_global_batches()
+        return max(1, min(len(self.lengths), -(-int(self.lengths.sum()) // self.tokens_per_batch)))
+
+    def global_batches(self, epoch: int | None = None) -> list[list[int]]:
+        epoch = self.epoch if epoch is None else epoch
+        n, k = len(self.lengths), self._num_global_batches()
+        if n == 0:
+            return []
+        order = np.random.default_rng([self.seed, epoch]).permutation(n)
+        tokens = np.cumsum(self.lengths[order])  # (n,) tokens up to and including each sequence
+        targets = tokens[-1] * np.arange(1, k) / k  # (k - 1,) where batches 0 .. k-2 end
+        ends = np.searchsorted(tokens, targets) + 1  # exclusive end of each of those batches
+        # at least one sequence per batch: ends strictly increasing, leaving one sequence for each later batch
+        ends = np.maximum.accumulate(np.maximum(ends - np.arange(1, k), 0)) + np.arange(1, k)
+        ends = np.minimum(ends, n - k + np.arange(1, k))
+        batches = np.split(order, ends)
+        return [b[np.argsort(-self.lengths[b], kind="stable")].tolist() for b in batches]

@@ -22,6 +22,7 @@ from torch.utils.checkpoint import checkpoint
 
 from mhalab.nn.masks import dead_rows, merge_masks, to_additive
 from mhalab.nn.unpad import Unpadding
+from mhalab.nn.varlen import varlen_applies, varlen_attention
 
 # CPU training with dropout and at least BLOCK_MIN_SCORES scores per (batch, head) attends in query blocks
 # of QUERY_BLOCK rows (see _blocked_sdpa): memory for time, so only from L = 2048 on, where the (L, L)
@@ -51,6 +52,11 @@ class ScaledDotProductAttention(nn.Module):
     in backward (see _blocked_sdpa). None turns it off. Neither is a parameter or buffer, so
     checkpoints load whatever their values.
     """
+
+    # nn.varlen: each sequence attended alone gives its real tokens' padded result; and this is the softmax
+    # attention that PyTorch's varlen kernel (FlashAttention) computes, so CUDA may use that instead
+    per_sequence = True
+    softmax_varlen = True
 
     def __init__(self, dropout: float = 0.0, block_min_scores: int | None = BLOCK_MIN_SCORES,
                  query_block: int = QUERY_BLOCK):
@@ -280,6 +286,9 @@ class MultiHeadAttention(nn.Module):
         the pads hold copies of a real token's q, k, v, blocked as keys by the key-padding mask that
         `unpad` was built from. The real tokens' outputs are those of
         forward(x_padded, key_padding_mask=..., attn_mask=attn_mask).
+        When the rows are right-padded (unpad.seqlens) and the kernel computes each sequence alone the same
+        way (varlen.varlen_applies), attention also runs on the packed tokens, per sequence (varlen_attention):
+        quadratic work on real tokens only. need_weights=True and explicit=True keep the padded layout.
         Returns ((N, E), weights (B, H, L, L) or None); the weights' rows for padded queries are not
         the padded computation's (they are discarded in any case).
         """
@@ -289,6 +298,9 @@ class MultiHeadAttention(nn.Module):
                 f"embed_dim={self.embed_dim})."
             )
         qkv = self._in_proj(x)  # (N, 3E)
+        if not need_weights and varlen_applies(self, attn_mask) and unpad.seqlens is not None:
+            # attention on the real tokens too, each sequence on its own (nn.varlen): no (B, L) layout at all
+            return self.W_O(varlen_attention(self, qkv, unpad.seqlens, attn_mask)), None  # (N, E)
         # back to the padded layout for attention, for q, k and v at once: (N, 3E) -> (B, L, 3E). What
         # the pads hold does not matter (masked keys, dropped queries), so skip zeroing them.
         q, k, v = unpad.unpack(qkv, zero_pads=False).chunk(3, dim=-1)  # (B, L, E) each

@@ -167,7 +167,9 @@ class TransformerEncoder(nn.Module):
     Given a bool src_key_padding_mask, the stack runs on the real tokens only ("unpadding", see
     unpad.Unpadding): same outputs at real tokens, 0 at padded positions (nn.TransformerEncoder's
     nested-tensor path in eval zeroes them too, before its final norm), and a quarter less work in
-    the position-wise layers when a quarter of the batch is padding.
+    the position-wise layers when a quarter of the batch is padding. When the rows are right-padded (as
+    the collate pads them), attention runs on the real tokens too, each sequence on its own (nn.varlen),
+    so padding costs no quadratic work either.
     `unpad=False` computes every position, pads included, as nn.TransformerEncoder does in training.
     """
 
@@ -207,12 +209,17 @@ class TransformerEncoder(nn.Module):
         # Unpad once for the whole stack (see unpad.Unpadding): (B, L, E) -> (N, E) real tokens; norms,
         # residuals and feed-forwards skip the pads and only attention sees the (B, L) layout. The
         # real tokens' outputs equal the padded computation's; padded positions come out as 0.
-        x = unpad.pack(src)
+        x = self.forward_packed(unpad.pack(src), unpad, mask)  # (N, E)
+        return unpad.unpack(x)  # (N, E) -> (B, L, E)
+
+    def forward_packed(self, x: Tensor, unpad: Unpadding, mask: Tensor | None = None) -> Tensor:
+        """The stack on packed tokens x (N, E) -> (N, E): the real tokens of unpad's padded layout (for packed
+        sequences, Unpadding.from_seqlens). forward() lands here after unpadding a padded batch."""
+        if not all(isinstance(lyr, TransformerEncoderLayer) for lyr in self.layers):
+            raise ValueError("forward_packed needs TransformerEncoderLayer layers (they run on packed tokens).")
         for layer in self.layers:
             x = layer(x, src_mask=mask, unpad=unpad)
-        if self.norm is not None:
-            x = self.norm(x)
-        return unpad.unpack(x)  # (N, E) -> (B, L, E)
+        return self.norm(x) if self.norm is not None else x
 
     def _unpadding(self, src: Tensor, kpm: Tensor | None) -> Unpadding | None:
         """An Unpadding when it applies: a bool (B, L) mask that pads something. Else None, and the

@@ -9,7 +9,9 @@ What is counted, for what the model executes (see encoder.py / attention.py / ke
   * the position-wise layers (in-projection E -> 3E, W_O, the feed-forward E -> F -> E) on the N real
     tokens when the custom encoder unpads (unpad.Unpadding), on all B * L positions for PyTorch's
     encoder (it computes the pads in training);
-  * attention on the padded (B, H, L, L) layout, per kernel:
+  * attention per sequence on its real tokens (nn.varlen: the custom encoder, kernels full, window and
+    linformer, given the batch's `lengths`): the sum over sequences of each one's count at its own length;
+    else (PyTorch's encoder, performer, no lengths) on the padded (B, H, L, L) layout. Per kernel:
       full       scores Q K^T and A V:                     4 * B * L^2 * E
       window     the band-mask path (L <= 2 * (block + window), or a per-query mask: alibi / t5) is
                  full attention with a mask; the chunked path: 4 * B * E * (nb * c * (g + c + 2w) + g * L)
@@ -31,7 +33,7 @@ forward matmul. (Performer's random features are a buffer, so its Q W^T, K W^T h
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 TRAIN_FACTOR = 3  # forward + backward (two matmuls per forward matmul)
 WINDOW_MIN_BLOCK = 64  # kernels.WindowAttention's default query block: max(window // 2, 64)
@@ -65,24 +67,34 @@ def attention_flops(attention: str, batch: int, seq_len: int, dim: int, heads: i
     raise ValueError(f"unknown attention '{attention}' for FLOPs; one of full, window, linformer, performer.")
 
 
+PER_SEQUENCE = ("full", "window", "linformer")  # the kernels with per_sequence = True (nn.varlen)
+
+
 def forward_flops(*, batch: int, seq_len: int, num_tokens: int, dim: int, heads: int, layers: int, ff_dim: int,
                   num_classes: int, attention: str = "full", attention_options: Mapping | None = None,
-                  pooling: str = "mean", pos: str = "sinusoidal", encoder: str = "custom", **_unused) -> int:
+                  pooling: str = "mean", pos: str = "sinusoidal", encoder: str = "custom",
+                  lengths: Sequence[int] | None = None, **_unused) -> int:
     """Forward FLOPs of SequenceClassifier on a (batch, seq_len) batch with num_tokens real (non-pad) tokens.
 
     The keywords are SequenceClassifier's (pass its config with `**model_cfg`; the ones that do not
     change the FLOPs, dropout, max_len, ..., are accepted and ignored), attention_options resolved
     (every option the chosen kernel reads). seq_len and num_tokens are the collated batch's: with
     pooling=cls the encoder sees one more position per sequence, the CLS vector, counted here.
+    lengths: the B sequences' real lengths (sum = num_tokens), for attention per sequence (see above).
     """
     B, L, N, E = batch, seq_len, num_tokens, dim
     if pooling == "cls":
         L, N = L + 1, N + B
+        lengths = None if lengths is None else [n + 1 for n in lengths]
     # custom encoder: unpadded only when something is padded (TransformerEncoder._unpadding); N = B * L otherwise
     positions = N if encoder == "custom" else B * L
     projections = 2 * positions * E * 3 * E + 2 * positions * E * E  # in-projection (E -> 3E) and W_O
     feed_forward = 2 * 2 * positions * E * ff_dim  # E -> F -> E
-    attn = attention_flops(attention, B, L, E, heads, attention_options, query_masks=pos in ("alibi", "t5"))
+    query_masks = pos in ("alibi", "t5")
+    if encoder == "custom" and attention in PER_SEQUENCE and lengths is not None and N < B * L:
+        attn = sum(attention_flops(attention, 1, n, E, heads, attention_options, query_masks) for n in lengths)
+    else:
+        attn = attention_flops(attention, B, L, E, heads, attention_options, query_masks)
     head = 2 * B * E * num_classes
     return layers * (projections + feed_forward + attn) + head
 

@@ -72,6 +72,9 @@ class WindowAttention(nn.Module):
     "auto" uses it when those hold and L > 2 * (block + window), else the band mask.
     """
 
+    # nn.varlen: per sequence, the band and the global tokens sit at the same positions 0..n-1
+    per_sequence = True
+
     def __init__(
         self,
         window: int,
@@ -193,6 +196,9 @@ class LinformerAttention(nn.Module):
     Weights: need_weights=True still returns None (the (L_q, k) weights are over projections, not keys).
     """
 
+    # nn.varlen: E[:, :n] K of a sequence of n tokens is the padded path's E K with the pads zeroed
+    per_sequence = True
+
     def __init__(self, max_len: int, k: int = 64, dropout: float = 0.0):
         super().__init__()
         if k < 1 or max_len < 1:
@@ -264,6 +270,10 @@ class PerformerAttention(nn.Module):
     n training forward passes (the paper redraws them during training); None keeps them fixed.
     Attention dropout is not applied (there is no weight matrix to drop); need_weights gives None.
     """
+
+    # not nn.varlen: redraw_interval counts forward calls, one per length group there (and the padded
+    # path is already linear in L: padding costs it little)
+    per_sequence = False
 
     def __init__(self, head_dim: int, num_features: int = 64, redraw_interval: int | None = None):
         super().__init__()

@@ -24,6 +24,11 @@ from torch import Tensor, nn
 # ------------------------------------------------------------------------------------------------
 # Absolute positions
 # ------------------------------------------------------------------------------------------------
+def _check_len(length: int, max_len: int) -> None:
+    if length > max_len:
+        raise ValueError(f"sequence length {length} exceeds max_len {max_len} of the position encoding.")
+
+
 class SinusoidalPosition(nn.Module):
     """Vaswani et al. 2017: PE[p, 2i] = sin(p / 10000^(2i/E)), PE[p, 2i+1] = cos(...)."""
 
@@ -39,9 +44,13 @@ class SinusoidalPosition(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         L = x.size(1)
-        if L > self.max_len:
-            raise ValueError(f"sequence length {L} exceeds max_len {self.max_len} of the position encoding.")
+        _check_len(L, self.max_len)
         return x + self.pe[:L].to(x.dtype)
+
+    def packed(self, x: Tensor, positions: Tensor, max_seqlen: int) -> Tensor:
+        """Packed sequences (nn.varlen): x (N, E) + the encoding of each row's position (N,) in its sequence."""
+        _check_len(max_seqlen, self.max_len)
+        return x + self.pe[positions].to(x.dtype)
 
 
 class LearnedPosition(nn.Module):
@@ -55,9 +64,13 @@ class LearnedPosition(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         L = x.size(1)
-        if L > self.max_len:
-            raise ValueError(f"sequence length {L} exceeds max_len {self.max_len} of the position encoding.")
+        _check_len(L, self.max_len)
         return x + self.emb.weight[:L].to(x.dtype)
+
+    def packed(self, x: Tensor, positions: Tensor, max_seqlen: int) -> Tensor:
+        """Packed sequences (nn.varlen): x (N, E) + the vector of each row's position (N,) in its sequence."""
+        _check_len(max_seqlen, self.max_len)
+        return x + self.emb.weight[positions].to(x.dtype)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -121,6 +134,15 @@ class RotaryEmbedding(nn.Module):
             raise ValueError(f"sequence length {max(L_q, L_k)} exceeds max_len {self.max_len} of RoPE.")
         cos, sin = self.tables(q.device)
         return self._rotate_pairs(q, cos[:L_q], sin[:L_q]), self._rotate_pairs(k, cos[:L_k], sin[:L_k])
+
+    def rotate_packed(self, q: Tensor, k: Tensor, positions: Tensor, max_seqlen: int) -> tuple[Tensor, Tensor]:
+        """Packed sequences (nn.varlen): q, k (N, H, d) rotated by each row's position (N,) in its sequence.
+        max_seqlen (a host int) is checked against max_len instead of the positions (no device sync)."""
+        if max_seqlen > self.max_len:
+            raise ValueError(f"sequence length {max_seqlen} exceeds max_len {self.max_len} of RoPE.")
+        cos, sin = self.tables(q.device)
+        cos, sin = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)  # (N, 1, d/2): broadcast over heads
+        return self._rotate_pairs(q, cos, sin), self._rotate_pairs(k, cos, sin)
 
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}, max_len={self.max_len}, base={self.base}"

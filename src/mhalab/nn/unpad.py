@@ -8,6 +8,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from mhalab.nn.varlen import SeqLens
+
 
 class Unpadding:
     """Where the real tokens of a padded (B, L) batch are, to run position-wise layers on them only.
@@ -43,6 +45,30 @@ class Unpadding:
         self.source = torch.zeros_like(flat, dtype=torch.long).index_copy_(
             0, self.index, torch.arange(self.num_tokens, device=flat.device)
         )
+        self._seqlens: SeqLens | None | bool = False  # not looked at yet (see seqlens)
+
+    @classmethod
+    def from_seqlens(cls, seqlens: SeqLens, device, width: int | None = None) -> Unpadding:
+        """The right-padded (B, width) layout of sequences of these lengths (width: default the longest), built
+        on the host from the lengths and moved to `device`: no device sync."""
+        lengths = torch.tensor(seqlens.lengths)
+        width = seqlens.max_seqlen if width is None else width
+        if width < seqlens.max_seqlen:
+            raise ValueError(f"width={width} is shorter than the longest sequence ({seqlens.max_seqlen}).")
+        self = cls(torch.arange(width)[None, :] >= lengths[:, None])  # on the CPU
+        for name in ("key_padding_mask", "index", "pad_index", "source"):
+            setattr(self, name, getattr(self, name).to(device))
+        self._seqlens = seqlens
+        return self
+
+    @property
+    def seqlens(self) -> SeqLens | None:
+        """The real tokens' lengths, when every row is right-padded (real tokens first): then attention can run
+        per sequence on the packed tokens (nn.varlen). None for other masks. Read from the mask once (on CUDA
+        a sync, like index above) unless given (from_seqlens)."""
+        if self._seqlens is False:
+            self._seqlens = SeqLens.from_padding_mask(self.key_padding_mask)
+        return self._seqlens
 
     def pack(self, x: Tensor) -> Tensor:
         """(B, L, *) -> (N, *): the real tokens only."""

@@ -188,6 +188,8 @@ def load_model(ckpt_path: str | Path, device: str = "cpu") -> Loaded:
     module.to(device).eval()
     extra = ckpt["mhalab"]
     data = dict(extra.get("data") or {})
+    if "bucketing" in data:  # written before data.batching replaced the bool (2026-12)
+        data["batching"] = "bucketed" if data.pop("bucketing") else "shuffled"
     max_len = dm_state.get("max_len") or data.get("max_len") or hparams.get("model", {}).get("max_len")
     if not max_len:
         raise CheckpointError(f"ckpt_path={path} records no max_len (no data config, no model.max_len); pass a "

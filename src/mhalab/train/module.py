@@ -109,44 +109,73 @@ class Classifier(L.LightningModule):
         self._flops_cfg["attention_options"] = {**ATTENTION_OPTIONS, **(model.get("attention_options") or {})}
         # FLOPs of the last training batch (forward + backward), read by Lightning's ThroughputMonitor
         self.flops_per_batch: int | None = None
-        self.token_counts = torch.zeros(2, dtype=torch.long)  # (real tokens, pad tokens) trained on
+        self.token_counts = [0, 0]  # (real tokens, pad tokens) trained on: host ints from the batches' shapes
+        self._nonfinite = None  # on CUDA: a device flag, set by a non-finite loss, read at the logging interval
         # what makes a checkpoint self-contained beside the weights (where the datamodule's state, with the
         # tokenizer, is saved; the data config; the W&B run id), written as checkpoint["mhalab"]
         self._extras: dict = dict(checkpoint_extras or {})
 
-    def forward(self, input_ids, padding_mask=None):
-        return self.model(input_ids, padding_mask)
+    def forward(self, input_ids, padding_mask=None, seqlens=None):
+        return self.model(input_ids, padding_mask, seqlens=seqlens)
+
+    def _logits(self, batch):
+        """A collated batch's logits: padded (Collate) or packed (PackedCollate), with its host-side lengths."""
+        return self(batch["input_ids"], batch.get("padding_mask"), seqlens=batch.get("seqlens"))
 
     def training_step(self, batch, batch_idx):
-        logits = self(batch["input_ids"], batch["padding_mask"])
+        logits = self._logits(batch)
         loss = F.cross_entropy(logits, batch["labels"])
-        if not torch.isfinite(loss):
-            raise NonFiniteLossError(
-                f"loss is {loss.item()} at global step {self.global_step} (epoch {self.current_epoch}, "
-                f"batch {batch_idx}). Try a lower lr (now {self.hparams.lr}), gradient clipping, or "
-                f"bf16-mixed instead of 16-mixed precision (fp16 overflows where bf16 does not)."
-            )
-        pad = batch["padding_mask"]
-        real = (~pad).sum()
-        if self.token_counts.device != pad.device:
-            self.token_counts = self.token_counts.to(pad.device)
-        self.token_counts += torch.stack([real, pad.sum()])  # stays on device: no sync per step
-        # host ints only (shapes and the collate's num_tokens): no sync; the throughput callback reads it
-        self.flops_per_batch = self.batch_flops(batch)
+        self._check_finite(loss, batch_idx)
+        # host ints only (shapes and the collate's num_tokens): no device sync
+        real = batch_tokens(batch)
+        pads = batch["input_ids"].numel() - real if batch["input_ids"].dim() == 2 else 0  # packed: none
+        self.token_counts = [self.token_counts[0] + real, self.token_counts[1] + pads]
+        self.flops_per_batch = self.batch_flops(batch)  # read by the throughput callback
         acc = self.metrics["train_acc"](logits, batch["labels"])  # this batch's accuracy; the metric keeps the epoch's
         self.log("train/loss", loss, prog_bar=True)
         self.log("train/acc", acc)
         self.log("train/acc_epoch", self.metrics["train_acc"], on_step=False, on_epoch=True)
-        self.log("train/pad_frac", pad.float().mean())
+        self.log("train/pad_frac", pads / (real + pads))
         return loss
 
+    def _check_finite(self, loss, batch_idx) -> None:
+        """Stop on a NaN / inf loss. On CPU at once (reading a CPU tensor costs nothing); on a GPU a device flag
+        gathers every step's verdict and is read once per logging interval, so the step never waits for the
+        device (a per-step check would be a host sync). Then the message names the interval, not the step."""
+        if loss.device.type == "cpu":
+            if not torch.isfinite(loss):
+                self._raise_nonfinite(f"loss is {loss.item()} at global step {self.global_step} (epoch "
+                                      f"{self.current_epoch}, batch {batch_idx})")
+            return
+        bad = ~torch.isfinite(loss.detach())
+        self._nonfinite = bad if self._nonfinite is None else self._nonfinite | bad
+        every = max(1, getattr(self.trainer, "log_every_n_steps", 50))
+        if (self.global_step + 1) % every == 0:
+            flag, self._nonfinite = self._nonfinite, None
+            if bool(flag):  # the one sync per interval
+                first = self.global_step + 1 - every
+                self._raise_nonfinite(f"loss became NaN or infinite between global steps {first} and "
+                                      f"{self.global_step} (epoch {self.current_epoch})")
+
+    def _raise_nonfinite(self, what: str) -> None:
+        raise NonFiniteLossError(
+            f"{what}. Try a lower lr (now {self.hparams.lr}), gradient clipping, or "
+            f"bf16-mixed instead of 16-mixed precision (fp16 overflows where bf16 does not)."
+        )
+
     def batch_flops(self, batch) -> int:
-        """FLOPs of one training step (forward + backward) on this collated batch (mhalab.nn.flops.train_flops)."""
-        B, L = batch["input_ids"].shape
-        return train_flops(batch=B, seq_len=L, num_tokens=batch_tokens(batch), **self._flops_cfg)
+        """FLOPs of one training step (forward + backward) on this collated batch (mhalab.nn.flops.train_flops),
+        from host values only: the batch's shape, num_tokens and seqlens."""
+        seqlens = batch.get("seqlens")
+        if batch["input_ids"].dim() == 1:  # packed: as the batch padded to its longest sequence, unpadded
+            B, L = seqlens.batch, seqlens.max_seqlen
+        else:
+            B, L = batch["input_ids"].shape
+        lengths = seqlens.lengths if seqlens is not None else None
+        return train_flops(batch=B, seq_len=L, num_tokens=batch_tokens(batch), lengths=lengths, **self._flops_cfg)
 
     def _eval_step(self, batch, metrics, classes, prefix):
-        logits = self(batch["input_ids"], batch["padding_mask"])
+        logits = self._logits(batch)
         loss = F.cross_entropy(logits, batch["labels"])
         metrics.update(logits, batch["labels"])
         classes.update(logits, batch["labels"])
@@ -216,11 +245,11 @@ class Classifier(L.LightningModule):
 
     def on_save_checkpoint(self, checkpoint):
         # the token counters travel too, so a resumed run counts every token once, over all its attempts
-        checkpoint["mhalab"] = dict(self._extras, token_counts=self.token_counts.tolist())
+        checkpoint["mhalab"] = dict(self._extras, token_counts=list(self.token_counts))
 
     def on_load_checkpoint(self, checkpoint):
         saved = dict(checkpoint.get("mhalab", {}))
         counts = saved.pop("token_counts", None)
         self._extras = {**saved, **self._extras}  # what this process was built with wins (a resumed run)
         if counts is not None:
-            self.token_counts = torch.tensor(counts, dtype=torch.long, device=self.token_counts.device)
+            self.token_counts = [int(x) for x in counts]

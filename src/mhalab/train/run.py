@@ -243,9 +243,9 @@ def _fit_and_test_best(cfg: DictConfig, trainer: L.Trainer, dm, module: Classifi
             rec["attempts"][-1]["global_step"] = trainer.global_step
     fit_s = time.time() - t_fit
     peak_mb, peak_kind = peak_memory_mb(trainer.strategy.root_device)
-    # counted on device over every attempt (the counters travel in the checkpoint); read before the best
+    # counted on the host over every attempt (the counters travel in the checkpoint); read before the best
     # checkpoint is loaded for validate/test below, which would put its own counts back
-    real, pads = (int(x) for x in module.token_counts.cpu() * trainer.world_size)
+    real, pads = (int(x) * trainer.world_size for x in module.token_counts)
 
     # the record's two sets of metrics (mhalab.train.record): the last validation of fit, and the best checkpoint
     last_epoch = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
