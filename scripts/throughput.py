@@ -1,10 +1,12 @@
-"""End-to-end training throughput: real (non-pad) tokens per second and the padding fraction, with
-length-bucketed batches vs plain shuffled batches vs every batch padded to max_len.
+"""End-to-end training throughput: real (non-pad) tokens per second and the padding fraction of the batches,
+for each data.batching: length-bucketed, plain shuffled (padded), and packed (shuffled, back to back).
 
     python scripts/throughput.py [steps=40] [data=[sst2,imdb]] [out=results/bench/throughput.md] [device=cpu]
 
-Each mode trains the same model (the default custom encoder) for `steps` optimizer steps on real
-batches from the data set (after 5 warm-up steps), timing data loading, forward, backward and step.
+Each mode trains its own copy of the same model (the default custom encoder, same initial weights) on real
+batches from the data set, called as the LightningModule calls it (with the collate's seqlens), timing
+data loading, forward, backward and step. The modes are interleaved, `CHUNK` steps at a time, so that a
+machine's drift spreads over all of them; 5 warm-up steps per mode are not timed.
 """
 
 from __future__ import annotations
@@ -24,43 +26,67 @@ from mhalab.errors import ConfigError, one_line_errors
 from mhalab.model import SequenceClassifier
 from mhalab.train.config import CONF_DIR  # (and registers the configs' resolvers)
 
-MODES = {"bucketed": {"bucketing": True, "fixed_len": False}, "shuffled": {"bucketing": False, "fixed_len": False},
-         "fixed max_len": {"bucketing": False, "fixed_len": True}}
+MODES = ("bucketed", "shuffled", "packed")  # data.batching
 SIZES = {"sst2": {"batch_size": 64, "max_len": 64}, "imdb": {"batch_size": 32, "max_len": 512}}
+WARMUP, CHUNK = 5, 5
 
 
-def measure(data: str, mode: str, steps: int, device: str) -> dict:
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose("train", overrides=[f"data={data}", "paths.output_dir=/tmp"])
-    kwargs = {k: v for k, v in dict(cfg.data).items() if k != "_target_"}
-    kwargs.update(SIZES[data], **MODES[mode])
-    dm = TextClassificationDataModule(**kwargs)
-    dm.prepare_data()
-    dm.setup("fit")
-    torch.manual_seed(0)
-    model = SequenceClassifier(dm.vocab_size, dm.num_classes, dim=cfg.dim, heads=cfg.heads, layers=cfg.layers,
-                               ff_dim=cfg.ff_dim, dropout=cfg.dropout, max_len=SIZES[data]["max_len"]).to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    real = pads = 0
-    it = iter(dm.train_dataloader())
-    for i in range(steps + 5):
-        if i == 5:  # warm-up done
-            real = pads = 0
-            if device == "cuda":
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-        batch = {k: v.to(device) for k, v in next(it).items()}
-        loss = F.cross_entropy(model(batch["input_ids"], batch["padding_mask"]), batch["labels"])
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        real += int((~batch["padding_mask"]).sum())
-        pads += int(batch["padding_mask"].sum())
-    if device == "cuda":
-        torch.cuda.synchronize()
-    seconds = time.perf_counter() - t0
-    return {"data": data, "mode": mode, "tokens_per_s": real / seconds, "padding_fraction": pads / (real + pads),
-            "s_per_step": seconds / steps}
+class _Mode:
+    """One batching mode's loader, model and optimizer, stepped a few batches at a time."""
+
+    def __init__(self, data: str, mode: str, device: str):
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            cfg = compose("train", overrides=[f"data={data}", "paths.output_dir=/tmp"])
+        kwargs = {k: v for k, v in dict(cfg.data).items() if k != "_target_"}
+        kwargs.update(SIZES[data], batching=mode)
+        dm = TextClassificationDataModule(**kwargs)
+        dm.prepare_data()
+        dm.setup("fit")
+        torch.manual_seed(0)
+        self.model = SequenceClassifier(dm.vocab_size, dm.num_classes, dim=cfg.dim, heads=cfg.heads,
+                                        layers=cfg.layers, ff_dim=cfg.ff_dim, dropout=cfg.dropout,
+                                        max_len=SIZES[data]["max_len"]).to(device)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
+        self.batches, self.device = iter(dm.train_dataloader()), device
+        self.data, self.mode = data, mode
+        self.seconds = self.real = self.pads = self.steps = 0
+
+    def run(self, steps: int, timed: bool = True) -> None:
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        real = pads = 0
+        for _ in range(steps):
+            batch = next(self.batches)
+            ids = batch["input_ids"].to(self.device)
+            mask = batch["padding_mask"].to(self.device) if "padding_mask" in batch else None
+            logits = self.model(ids, mask, seqlens=batch["seqlens"])
+            loss = F.cross_entropy(logits, batch["labels"].to(self.device))
+            self.opt.zero_grad(set_to_none=True)
+            loss.backward()
+            self.opt.step()
+            real += batch["num_tokens"]
+            pads += ids.numel() - batch["num_tokens"]
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+        if timed:
+            self.seconds += time.perf_counter() - t0
+            self.real, self.pads, self.steps = self.real + real, self.pads + pads, self.steps + steps
+
+    def row(self) -> dict:
+        return {"data": self.data, "mode": self.mode, "tokens_per_s": self.real / self.seconds,
+                "padding_fraction": self.pads / (self.real + self.pads), "s_per_step": self.seconds / self.steps}
+
+
+def measure(data: str, steps: int, device: str) -> list[dict]:
+    """Every mode on `data`, interleaved CHUNK steps at a time, `steps` timed steps each."""
+    modes = [_Mode(data, m, device) for m in MODES]
+    for m in modes:
+        m.run(WARMUP, timed=False)
+    for start in range(0, steps, CHUNK):
+        for m in modes:
+            m.run(min(CHUNK, steps - start))
+    return [m.row() for m in modes]
 
 
 @dataclass
@@ -78,9 +104,9 @@ def main(argv=None) -> None:
     bad = [d for d in args.data if d not in SIZES]
     if bad or not args.data or args.steps < 1:
         raise ConfigError(f"data={args.data} must list some of {sorted(SIZES)} and steps={args.steps} be >= 1.")
-    rows = [measure(d, m, args.steps, args.device) for d in args.data for m in MODES]
-    lines = [(f"Training throughput, default custom encoder, {args.device}, {args.steps} steps per mode "
-              f"(`python scripts/throughput.py steps={args.steps}`)"), "",
+    rows = [r for d in args.data for r in measure(d, args.steps, args.device)]
+    lines = [(f"Training throughput, default custom encoder, {args.device}, {args.steps} steps per mode, "
+              f"interleaved {CHUNK} at a time (`python scripts/throughput.py steps={args.steps}`)"), "",
              "| data (batch, max_len) | batches | real tokens/s | vs bucketed | padding fraction | s/step |",
              "|---|---|---|---|---|---|"]
     for r in rows:

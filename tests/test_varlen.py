@@ -68,15 +68,21 @@ def test_varlen_encoder_equals_the_padded_computation_outputs_and_gradients(atte
     assert sorted(tuple(s) for s in calls) == sorted({(LENGTHS.count(n), H, n, E // H) for n in LENGTHS})
 
 
-def test_performer_and_need_weights_keep_the_padded_layout_and_equal_it():
+@pytest.mark.parametrize("kind", ["performer", "explicit-weights"])
+def test_performer_and_the_explicit_weights_path_keep_the_padded_layout_and_equal_it(kind):
     torch.manual_seed(0)
-    ours, padded = _encoders("performer", "rope")
-    assert not ours.layers[0].self_attn.attention.per_sequence  # its redraw counter counts forward calls
+    ours, padded = _encoders("performer" if kind == "performer" else "full", "rope")
+    mha = ours.layers[0].self_attn
+    if kind == "performer":
+        assert not mha.attention.per_sequence  # its redraw counter counts forward calls
+    else:
+        for layer in ours.layers:
+            layer.self_attn.explicit = True  # attends through the (B, H, L, L) weights
     calls = []
-    ours.layers[0].self_attn.attention.register_forward_hook(lambda m, i, o: calls.append(tuple(i[0].shape)))
+    mha.attention.register_forward_hook(lambda m, i, o: calls.append(tuple(i[0].shape)))
     x, kpm = torch.randn(len(LENGTHS), L, E), _mask(LENGTHS)
     assert (ours(x, src_key_padding_mask=kpm) - padded(x, src_key_padding_mask=kpm))[~kpm].abs().max() < TOL
-    assert calls == [(len(LENGTHS), H, L, E // H)]
+    assert calls == [(len(LENGTHS), H, L, E // H)]  # one call on the padded layout
 
 
 def test_left_padding_is_not_varlen_and_still_equals_the_padded_computation():

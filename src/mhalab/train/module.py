@@ -132,7 +132,12 @@ class Classifier(L.LightningModule):
         self.token_counts = [self.token_counts[0] + real, self.token_counts[1] + pads]
         self.flops_per_batch = self.batch_flops(batch)  # read by the throughput callback
         acc = self.metrics["train_acc"](logits, batch["labels"])  # this batch's accuracy; the metric keeps the epoch's
-        self.log("train/loss", loss, prog_bar=True)
+        # the progress bar turns its values into Python floats every step: on a GPU, a host sync per step, so
+        # there the bar gets the loss at the logging interval only (its own key, not sent to the loggers)
+        on_cpu = loss.device.type == "cpu"
+        self.log("train/loss", loss, prog_bar=on_cpu)
+        if not on_cpu and self.trainer._logger_connector.should_update_logs:
+            self.log("loss", loss, prog_bar=True, logger=False)
         self.log("train/acc", acc)
         self.log("train/acc_epoch", self.metrics["train_acc"], on_step=False, on_epoch=True)
         self.log("train/pad_frac", pads / (real + pads))

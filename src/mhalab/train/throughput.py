@@ -50,19 +50,52 @@ class RealTokenThroughput(ThroughputMonitor):
     inside fit takes is still left out of the training rate, as Lightning does (on_validation_end).
 
     CUDA: Lightning's _update (2.6.6) calls torch.cuda.synchronize() after every training batch, so that
-    perf_counter() times finished work. Our training step already syncs once per batch (the
-    finite-loss check, and Unpadding's nonzero()), so this adds a wait for the backward and optimizer
-    step only, at the cost of overlapping them with the next batch's loading. The counts themselves
-    (batch_samples, batch_tokens) read host ints and shapes only.
+    perf_counter() times finished work: a host sync per step, which keeps the CPU from queueing the next
+    step's kernels while the GPU works. Here, on CUDA, the counts (host ints: batch_samples, batch_tokens,
+    flops_per_batch) add up every batch, but the clock is read, after one synchronize, only on the batches
+    where the rates are logged (every log_every_n_steps), and the window is the last such interval (two
+    points): the same rate over the same batches, one sync per interval. CPU keeps Lightning's per-batch
+    window (a CPU "sync" costs nothing).
     """
 
     def __init__(self, window_size: int = 50, **kwargs: Any):
         super().__init__(batch_size_fn=batch_samples, length_fn=batch_tokens, window_size=window_size, **kwargs)
         self._val_t0: float | None = None
+        self._sparse = False  # CUDA: clock read at logging steps only (see the class docstring)
+        self._pending_flops = 0
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        self._sparse = trainer.strategy.root_device.type == "cuda"
+        if self._sparse:  # points at logging steps only: a window of two points is the last interval
+            from lightning.fabric.utilities.throughput import Throughput
+
+            kwargs = {**self.kwargs, "window_size": 2}
+            self._throughputs = {s: Throughput(available_flops=self.available_flops, world_size=trainer.world_size,
+                                               **kwargs) for s in self._throughputs}
+
+    @torch.inference_mode()
+    def _update(self, trainer, pl_module, batch: Any, iter_num: int) -> None:
+        if not self._sparse:
+            return super()._update(trainer, pl_module, batch, iter_num)
+        stage = trainer.state.stage
+        self._lengths[stage] += batch_tokens(batch)
+        self._samples[stage] += batch_samples(batch)
+        self._batches[stage] += 1
+        self._pending_flops += getattr(pl_module, "flops_per_batch", None) or 0
+        if not trainer._logger_connector.should_update_logs:
+            return  # no sync on this batch
+        torch.cuda.synchronize()  # once per logging interval: the clock then times finished work
+        self._throughputs[stage].update(
+            time=time.perf_counter() - self._t0s[stage], batches=self._batches[stage], samples=self._samples[stage],
+            lengths=self._lengths[stage], flops=self._pending_flops or None)
+        self._pending_flops = 0
 
     @rank_zero_only
     def on_validation_start(self, trainer, *_: Any) -> None:
         if not trainer.sanity_checking and trainer.state.fn == TrainerFn.FITTING:
+            if self._sparse:
+                torch.cuda.synchronize()  # the clock stops when training's kernels are done
             self._val_t0 = time.perf_counter()
 
     def on_validation_batch_end(self, *_: Any, **__: Any) -> None:
@@ -76,7 +109,8 @@ class RealTokenThroughput(ThroughputMonitor):
             torch.cuda.synchronize()  # once per validation: its last kernels are not training time
         # stop the training clock from its last update (the last training batch) to the end of validation
         train = self._throughputs[RunningStage.TRAINING]._time
-        last = self._t0s[RunningStage.TRAINING] + train[-1] if train else self._val_t0
+        # (sparse points: the last one may be batches before validation, so validation's own start)
+        last = self._t0s[RunningStage.TRAINING] + train[-1] if train and not self._sparse else self._val_t0
         self._t0s[RunningStage.TRAINING] += time.perf_counter() - last
         self._val_t0 = None
 
