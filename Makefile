@@ -50,3 +50,10 @@ lint: $(STAMP)
 
 clean-venv:
 	rm -rf $(VENV)
+
+.PHONY: gpu-bundle gpu-check
+gpu-bundle: $(STAMP)     ## here: .gpu/ (wheels the bare GPU machine lacks, SST-2 copy, manifest); carry [".gpu"]
+	$(BIN)/python scripts/gpu_bundle.py $(ARGS)
+
+gpu-check:               ## on the lent GPU machine (no venv there: plain $(PY)); ARGS=--cpu for the dry run here
+	$(PY) scripts/gpu_check.py $(ARGS)

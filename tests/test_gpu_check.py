@@ -1,0 +1,144 @@
+"""scripts/gpu_check.py proven on CPU before a GPU exists: the dry run end to end (one ~10 s run read by
+several tests), the bundle manifest check, the peak table, the wheel list. Nothing here downloads."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from mhalab.analysis import gpu_check as gc
+from mhalab.analysis.bench.cases import flops as bench_flops
+from mhalab.analysis.bench.cases import padding_mask
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory):
+    """python scripts/gpu_check.py --cpu on the toy data, no bundle, CUDA tests of tests/test_cuda.py only."""
+    tmp = tmp_path_factory.mktemp("gpu_check")
+    back = tmp / "back"
+    back.mkdir()
+    data = gc.write_toy_sst2(tmp / "data")
+    cmd = [sys.executable, "scripts/gpu_check.py", "--cpu", "--out", str(tmp / "out"), "--bundle", str(tmp / "none"),
+           "--data", str(data), "--tests", "tests/test_cuda.py"]
+    env = dict(os.environ, OUT=str(back), OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads((tmp / "out" / "gpu_check.json").read_text()), tmp, back
+
+
+def test_dry_run_records_every_part_and_copies_results_to_OUT(dry_run):
+    result, tmp, back = dry_run
+    assert result["dry_run"] is True and result["failed"] == []
+    assert list(result["parts"]) == ["bundle", "cuda_tests", "bench", "train"]
+    assert result["parts"]["bundle"]["status"] == "skipped"  # no bundle, every import there
+    assert all(p["wall_s"] >= 0 for p in result["parts"].values())
+    assert {"gpu_check.json", "gpu_check.md", "train_metrics.json", "cuda_tests.xml"} <= {f.name for f in back.iterdir()}
+    assert json.loads((back / "gpu_check.json").read_text()) == result
+    md = (tmp / "out" / "gpu_check.md").read_text()
+    assert "| cuda_tests | passed |" in md and "CPU dry run" in md
+
+
+def test_dry_run_cuda_tests_part_reports_all_skipped_on_cpu(dry_run):
+    t = dry_run[0]["parts"]["cuda_tests"]["figures"]
+    assert t["collected"] >= 8 and t["skipped"] == t["collected"]
+    assert t["ran"] == t["passed"] == t["failed"] == t["errors"] == 0
+
+
+def test_dry_run_bench_figures_are_consistent(dry_run):
+    """Ratios positive and finite; MFU null on CPU; the FLOPs (mhalab.nn.flops) equal the bench's own count for
+    the same padding mask; TFLOP/s = FLOPs / time."""
+    b = dry_run[0]["parts"]["bench"]["figures"]
+    c = b["config"]
+    assert c["peak_tflops"] is None and c["embed_dim"] == gc.CPU.embed_dim
+    assert [(x["mode"], x["pad_frac"]) for x in b["cases"]] == [("train", 0.0), ("infer", 0.0), ("train", 0.25),
+                                                                 ("infer", 0.25)]
+    cfg = type("Cfg", (), {"ff_dim": c["ff_dim"], "layers": c["layers"]})
+    for x in b["cases"]:
+        assert 0 < x["ratio"] < math.inf and x["ratio"] == pytest.approx(x["ours_ms"] / x["official_ms"])
+        assert x["ours_mfu"] is None and x["official_mfu"] is None
+        kpm = padding_mask(c["batch"], c["seq_len"], x["pad_frac"], torch.device("cpu"))
+        assert x["flops"] == bench_flops("enc", x["mode"], (c["batch"], c["seq_len"], c["embed_dim"]), kpm, cfg)
+        assert x["ours_tflops"] == pytest.approx(x["flops"] / (x["ours_ms"] * 1e-3) / 1e12)
+    assert x["tokens"] < c["batch"] * c["seq_len"]  # the padded case has padding
+    mfu = [t for t in b["targets"] if t["target"].startswith("MFU")]
+    assert len(mfu) == 2 and all(t["value"] is None and t["passed"] is None for t in mfu)
+    assert all(t["passed"] == (t["value"] <= 1.0) for t in b["targets"] if t["op"] == "<=")
+
+
+def test_dry_run_training_ran_the_steps_asked(dry_run):
+    t = dry_run[0]["parts"]["train"]["figures"]
+    assert t["status"] == "finished" and t["precision"] == "32-true"
+    assert t["global_step"] == t["max_steps"] == 8
+    assert 0 <= t["dev_acc"] <= 1 and 0 <= t["test_acc"] <= 1
+    assert t["step_ms"] == pytest.approx(t["fit_time_s"] / 8 * 1e3)
+
+
+def test_without_cuda_the_real_check_refuses_in_one_line(capsys):
+    assert gc.main([]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "sees no CUDA device; use --cpu" in err[0]
+
+
+def make_bundle(root: Path) -> Path:
+    (root / "wheels").mkdir(parents=True)
+    (root / "wheels" / "a-1.0-py3-none-any.whl").write_bytes(b"wheel bytes")
+    gc.copy_sst2(gc.write_toy_sst2(root / "src", n=40), root / "data", train_rows=10)
+    gc.write_manifest(root, {"source_data": str(root / "src")})
+    return root
+
+
+def test_bundle_manifest_verifies_clean_and_names_a_corrupted_file_in_one_line(tmp_path):
+    root = make_bundle(tmp_path / "b")
+    assert gc.verify_bundle(root) == []
+    f = root / "data" / "sst2" / "dev.tsv"
+    data = bytearray(f.read_bytes())
+    data[5] ^= 1  # same size, one bit off
+    f.write_bytes(bytes(data))
+    problems = gc.verify_bundle(root)
+    assert len(problems) == 1 and "\n" not in problems[0]
+    assert str(f) in problems[0] and "sha256" in problems[0] and "make gpu-bundle" in problems[0]
+
+
+def test_bundle_manifest_names_missing_and_truncated_files(tmp_path):
+    root = make_bundle(tmp_path / "b")
+    (root / "wheels" / "a-1.0-py3-none-any.whl").unlink()
+    (root / "data" / "sst2" / "test.tsv").write_text("sentence\tlabel\n")
+    problems = gc.verify_bundle(root)
+    assert len(problems) == 2
+    assert any("a-1.0-py3-none-any.whl: missing" in p for p in problems)
+    assert any("test.tsv: 15 bytes, the manifest says" in p for p in problems)
+    assert gc.verify_bundle(tmp_path / "nothing") == [
+        f"{tmp_path / 'nothing' / 'MANIFEST.json'} is missing: run `make gpu-bundle` on the CPU machine and carry .gpu"]
+
+
+def test_bundle_data_copy_keeps_header_dev_test_whole_and_cuts_train(tmp_path):
+    src = gc.write_toy_sst2(tmp_path / "src", n=40)
+    rows = gc.copy_sst2(src, tmp_path / "dst", train_rows=10)
+    assert rows == {"train": 10, "dev": 10, "test": 10}
+    train = (tmp_path / "dst" / "sst2" / "train.tsv").read_text().splitlines()
+    assert train[0] == "sentence\tlabel" and train[1:] == (src / "sst2" / "train.tsv").read_text().splitlines()[1:11]
+    assert (tmp_path / "dst" / "sst2" / "dev.tsv").read_bytes() == (src / "sst2" / "dev.tsv").read_bytes()
+
+
+@pytest.mark.parametrize(("name", "peak"), [
+    ("NVIDIA H200", 989.4), ("NVIDIA H100 80GB HBM3", 989.4), ("NVIDIA H100 PCIe", 756.5),
+    ("NVIDIA A100-SXM4-80GB", 312.0), ("Tesla T4", None)])
+def test_peak_table_by_device_name(name, peak):
+    assert gc.peak_tflops(name) == peak
+
+
+def test_wheels_are_the_dependencies_the_bare_machine_lacks():
+    """mhalab's core dependencies' closure (this venv's metadata) less what the GPU machine has: hydra and its
+    parser runtime, datasets and its two pinned helpers; nothing heavy (pyarrow, pandas are there)."""
+    needed = gc.wheels_needed()
+    assert set(needed) == {"hydra-core", "omegaconf", "antlr4-python3-runtime", "datasets", "dill", "multiprocess"}
+    assert needed["antlr4-python3-runtime"].startswith("4.9.")  # hydra-core pins 4.9.*
