@@ -8,12 +8,12 @@ but not hydra-core / omegaconf / antlr4 / datasets, no internet and no ../shared
 
   1. here (CPU, PyPI reachable):   make gpu-bundle        (python scripts/gpu_bundle.py)
      writes the ignored folder .gpu/: wheels/ (what the bare machine lacks, CPython 3.12 manylinux
-     x86_64, ~1.3 MB), data/sst2/{train,dev,test}.tsv (SST-2 from ../shared/data/sst2, ~4 MB) and
+     x86_64, 1.2 MiB), data/sst2/{train,dev,test}.tsv (SST-2 from ../shared/data/sst2, all 67,349 train rows, 3.9 MiB) and
      MANIFEST.json (every file's size and sha256, the source data's path, the commit).
   2. the device tool's run, with carry [".gpu"] and the command
          PY=python3 make gpu-check        (or: python3 scripts/gpu_check.py)
      The bare machine has no .venv: the Makefile target calls $(PY) directly, never our venv.
-     .gpu/ plus the tracked tree must stay under the tool's 64 MiB (the bundle is ~5 MB).
+     .gpu/ plus the tracked tree must stay under the tool's 64 MiB (the bundle is 5.1 MiB).
   3. what comes back (files under $OUT, at most 8): gpu_check.json, gpu_check.md, train_metrics.json,
      cuda_tests.xml, cuda_tests.log, train.log. The same json/md are written to
      results/bench/<device-slug>/ on that machine (copy them from $OUT into the checkout to commit).
