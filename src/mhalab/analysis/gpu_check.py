@@ -8,8 +8,8 @@ but not hydra-core / omegaconf / antlr4 / datasets, no internet and no ../shared
 
   1. here (CPU, PyPI reachable):   make gpu-bundle        (python scripts/gpu_bundle.py)
      writes the ignored folder .gpu/: wheels/ (what the bare machine lacks, CPython 3.12 manylinux
-     x86_64, 1.2 MiB), data/sst2/{train,dev,test}.tsv (SST-2 from ../shared/data/sst2, all 67,349 train rows, 3.9 MiB) and
-     MANIFEST.json (every file's size and sha256, the source data's path, the commit).
+     x86_64, 1.2 MiB), data/sst2/{train,dev,test}.tsv (SST-2 from ../shared/data/sst2, all 67,349 train
+     rows, 3.9 MiB; --train-rows N ships fewer) and MANIFEST.json (every file's size and sha256, the source data's path, the commit).
   2. the device tool's run, with carry [".gpu"] and the command
          PY=python3 make gpu-check        (or: python3 scripts/gpu_check.py)
      The bare machine has no .venv: the Makefile target calls $(PY) directly, never our venv.
