@@ -24,8 +24,10 @@ from mhalab.nn.varlen import SeqLens, varlen_attention
 from mhalab.train.run import run
 
 TOL = 1e-5  # float32, outputs and gradients (the issue's bound); the paths sum in different orders
-LENGTHS = [40, 3, 17, 17, 1, 25]  # a repeated length (one grouped call), a single token, the longest first
-L, E, H = 40, 32, 4
+# the longest first, a repeated length, a single token; with E = 32 (CALL_COST / 32 = 3125 padded scores a call
+# may take), CallPlan makes four calls: 150, 100, the two 60s, and 3 with 1 padded to 3
+LENGTHS = [150, 3, 60, 60, 1, 100]
+L, E, H = 150, 32, 4
 
 
 def _encoders(attention: str, pos: str, dropout: float = 0.0):
@@ -64,8 +66,9 @@ def test_varlen_encoder_equals_the_padded_computation_outputs_and_gradients(atte
     ga, = torch.autograd.grad((a * w)[real].sum(), x)
     gb, = torch.autograd.grad((b * w)[real].sum(), x)
     assert (ga - gb).abs().max() < TOL
-    # it did attend per sequence: one kernel call per distinct length, on (count, H, n, d), none padded
-    assert sorted(tuple(s) for s in calls) == sorted({(LENGTHS.count(n), H, n, E // H) for n in LENGTHS})
+    # it did attend per sequence, in CallPlan's calls, not on the padded (6, H, 150, d) layout
+    d = E // H
+    assert [tuple(s) for s in calls] == [(1, H, 150, d), (1, H, 100, d), (2, H, 60, d), (2, H, 3, d)]
 
 
 @pytest.mark.parametrize("kind", ["performer", "explicit-weights"])
@@ -116,9 +119,37 @@ def test_dropout_replayed_gives_the_gradient_of_the_forward_it_drew():
     assert torch.autograd.gradcheck(f, (x,), eps=1e-6, atol=1e-5)
 
 
-def test_seqlens_groups_equal_lengths_and_sorts_only_unsorted_batches():
+@pytest.mark.parametrize("call_cost", [0, 40 * E, 7000 * E])
+def test_every_call_plan_gives_the_same_attention(call_cost):
+    """call_cost 0: one call per distinct length, nothing padded; 40 * E: pads of at most 40 scores (the 1
+    joins the 3: 9 - 1 = 8); 7000 * E: the 60s join the 100 too (10000 - 3600 = 6400). The same outputs."""
+    torch.manual_seed(0)
+    mha = MultiHeadAttention(E, H, **attention_parts("full", "t5", embed_dim=E, num_heads=H, max_len=L, dropout=0.0))
+    seqlens = SeqLens(LENGTHS)
+    x = torch.randn(sum(LENGTHS), E, requires_grad=True)
+    exact = varlen_attention(mha, mha._in_proj(x), seqlens, call_cost=0)
+    planned = varlen_attention(mha, mha._in_proj(x), seqlens, call_cost=call_cost)
+    assert (exact - planned).abs().max() < TOL
+    calls = seqlens.plan(call_cost // E).calls
+    expected = {0: [(150, 1), (100, 1), (60, 2), (3, 1), (1, 1)], 40 * E: [(150, 1), (100, 1), (60, 2), (3, 2)],
+                7000 * E: [(150, 1), (100, 3), (3, 2)]}[call_cost]
+    assert calls == expected
+
+
+def test_call_plan_pads_within_a_call_and_lays_tokens_back():
+    plan = SeqLens([5, 3, 3, 1]).plan(17)  # 5^2 - 3^2 = 16 <= 17: the 3s join the 5; 25 - 1 = 24 does not
+    assert plan.calls == [(5, 3), (1, 1)]
+    assert plan.key_mask(0, "cpu").tolist() == [[False] * 5, [False] * 3 + [True] * 2, [False] * 3 + [True] * 2]
+    assert plan.key_mask(1, "cpu") is None
+    rows = torch.arange(12)
+    padded = plan.gather(rows)  # (5 + 5 + 5 + 1,): each 3 padded with a copy of its first row
+    assert padded.tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 5, 5, 8, 9, 10, 8, 8, 11]
+    assert torch.equal(plan.real(padded), rows)
+
+
+def test_seqlens_sorts_only_unsorted_batches():
     s = SeqLens([3, 5, 3, 1])
-    assert s.groups == [(5, 1), (3, 2), (1, 1)] and s.max_seqlen == 5 and s.num_tokens == 12
+    assert s.max_seqlen == 5 and s.num_tokens == 12
     assert s.cu_seqlens("cpu").tolist() == [0, 3, 8, 11, 12]
     assert s.positions("cpu").tolist() == [0, 1, 2, 0, 1, 2, 3, 4, 0, 1, 2, 0]
     rows = torch.arange(12)

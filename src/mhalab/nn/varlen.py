@@ -11,11 +11,13 @@ that is about half.
 How attention runs per sequence (`varlen_attention`):
   * on CUDA, plain softmax attention without dropout, bias or mask: PyTorch's varlen kernel
     (torch.nn.attention.varlen.varlen_attn, FlashAttention) in one call, where the installed torch has it;
-  * everywhere else: the sequences grouped by length, one call of the layer's own kernel per length on
-    (count, H, n, d), no mask (none is needed: no pads). With random lengths that is about one SDPA call
-    per sequence, which on CPU runs 2.2x faster, forward + backward, than one padded masked call on 32
-    sequences of 50-512 tokens. Every kernel (full, window, linformer) and position (RoPE, ALiBi, T5)
-    then sees a sequence exactly as the padded path sees its real tokens: positions 0..n-1, the same keys.
+  * everywhere else: the sequences sorted by length and cut into a few calls of the layer's own kernel on
+    (count, H, width, d), each call's sequences of equal or close lengths (CallPlan: a call takes a shorter
+    sequence while padding it costs less than a call of its own, CALL_COST), the few pads masked as keys.
+    Long, varied sequences (IMDB) get about one call per sequence, which on CPU trains 2.2x faster than
+    one padded masked call; short sentences (SST-2) a few calls per batch, where tens of calls would cost
+    more in overhead than their padding. Every kernel (full, window, linformer) and position (RoPE, ALiBi,
+    T5) sees a sequence exactly as the padded path sees its real tokens: positions 0..n-1, the same keys.
 """
 
 from __future__ import annotations
@@ -44,9 +46,9 @@ class SeqLens:
 
     Every shape decision (group sizes, max length, N) reads host ints, so nothing here syncs with a GPU; the
     index tensors are made once per device, on first use. Also the order in which varlen_attention visits
-    the sequences: by length, longest first (stable), so equal lengths are contiguous rows and run as one
-    call; `perm` is None when the batch is already in that order (a length-sorted batch: bucketed or packed
-    batches are sorted so by their samplers), else the rows' order.
+    the sequences: by length, longest first (stable), so similar lengths are contiguous rows and run as one
+    call (plan); `perm` is None when the batch is already in that order (a length-sorted batch: bucketed or
+    packed batches are sorted so by their samplers), else the rows' order.
     """
 
     def __init__(self, lengths: Sequence[int]):
@@ -57,11 +59,8 @@ class SeqLens:
         self.batch, self.num_tokens, self.max_seqlen = len(lens), int(lens.sum()), int(lens.max())
         self._cu = np.concatenate([[0], np.cumsum(lens)])  # (B + 1,)
         order = np.argsort(-lens, kind="stable")  # sequences, longest first
-        # runs of equal length in that order: (length, count)
-        sorted_lens = lens[order]
-        edges = np.flatnonzero(np.diff(sorted_lens)) + 1
-        self.groups: list[tuple[int, int]] = [
-            (int(run[0]), len(run)) for run in np.split(sorted_lens, edges)]
+        self._sorted = lens[order]  # (B,) their lengths in that order
+        self._plans: dict[int, CallPlan] = {}
         self._perm = None
         if (order != np.arange(len(lens))).any():
             self._perm = np.concatenate([np.arange(self._cu[i], self._cu[i + 1]) for i in order])  # (N,)
@@ -114,6 +113,12 @@ class SeqLens:
     def lengths_tensor(self, device) -> Tensor:
         return self._tensor("lengths", device)  # (B,) long
 
+    def plan(self, pad_scores: int) -> CallPlan:
+        """How varlen_attention's fallback groups these sequences into kernel calls (CallPlan), cached."""
+        if pad_scores not in self._plans:
+            self._plans[pad_scores] = CallPlan(self._sorted, pad_scores)
+        return self._plans[pad_scores]
+
     def sort(self, x: Tensor) -> Tensor:
         """(N, *) rows -> the same rows in varlen_attention's order (longest sequence first)."""
         return x if self._perm is None else x.index_select(0, self._tensor("perm", x.device))
@@ -142,13 +147,79 @@ class SeqLens:
         return f"SeqLens(batch={self.batch}, num_tokens={self.num_tokens}, max_seqlen={self.max_seqlen})"
 
 
-def varlen_attention(mha, qkv: Tensor, seqlens: SeqLens, attn_mask: Tensor | None = None) -> Tensor:
+# One kernel call's fixed cost (Python, autograd, dispatch), as attention work: scores x heads x head_dim. It
+# only decides speed: every plan gives the same outputs. Chosen on this project's 2-core CPU (SDPA, dropout
+# 0.2, E = 128), fwd + bwd of one layer's attention on a shuffled SST-2 batch of 64 (21 distinct lengths <= 31):
+# a call per length 16.6 ms, CALL_COST = 100k (2 calls) 8.1 ms, one padded call 10.4 ms.
+CALL_COST = 100_000
+
+
+class CallPlan:
+    """The kernel calls of varlen_attention's fallback for sequences sorted longest first.
+
+    One call per run of equal lengths would be exact with no padding, but a batch of short sentences has tens
+    of distinct lengths and each call has a fixed cost; so a call also takes the next, shorter sequences
+    while the scores it adds for padding, w^2 - n^2 for a sequence of n in a call of width w, stay within
+    `pad_scores` (varlen_attention: CALL_COST / (heads x head_dim); 0: equal lengths only). Those calls
+    pad their shorter members to w and mask the padded keys: the padded computation in miniature.
+
+    calls: [(width, count)] in order; gather (P,) rows of the sorted tokens that lay the calls out padded,
+    pads repeating a real row (masked keys; their queries are dropped), and real (N,) the padded rows that
+    are real tokens: both None when no call pads. key_masks: per call, (count, width) True at pads, or None.
+    """
+
+    def __init__(self, sorted_lengths: np.ndarray, pad_scores: int):
+        calls: list[list[int]] = []
+        for n in (int(x) for x in sorted_lengths if x > 0):  # empty sequences have no rows
+            if calls and calls[-1][0] ** 2 - n * n <= pad_scores:
+                calls[-1].append(n)
+            else:
+                calls.append([n])
+        self.calls = [(c[0], len(c)) for c in calls]
+        self._masks, gather, real = [], [], []
+        start = padded = 0  # sorted-token row of the call's first sequence; padded row of the call
+        for members in calls:
+            width = members[0]
+            self._masks.append(None if members[-1] == width else
+                               np.arange(width)[None, :] >= np.asarray(members)[:, None])
+            for j, n in enumerate(members):
+                gather.append(np.concatenate([np.arange(start, start + n), np.full(width - n, start)]))
+                real.append(padded + j * width + np.arange(n))
+                start += n
+            padded += width * len(members)
+        pads = any(m is not None for m in self._masks)
+        self._gather = np.concatenate(gather) if pads else None
+        self._real = np.concatenate(real) if pads else None
+        self._cache: dict[tuple[str, torch.device], Tensor] = {}
+
+    def _tensor(self, name: str, value: np.ndarray, device) -> Tensor:
+        key = (name, torch.device(device))
+        if key not in self._cache:
+            self._cache[key] = torch.as_tensor(value).to(device)
+        return self._cache[key]
+
+    def gather(self, x: Tensor) -> Tensor:
+        """(N, *) sorted token rows -> (P, *) the calls' padded layout."""
+        return x if self._gather is None else x.index_select(0, self._tensor("gather", self._gather, x.device))
+
+    def real(self, x: Tensor) -> Tensor:
+        """(P, *) -> (N, *): gather's inverse on the real tokens."""
+        return x if self._real is None else x.index_select(0, self._tensor("real", self._real, x.device))
+
+    def key_mask(self, i: int, device) -> Tensor | None:
+        m = self._masks[i]
+        return None if m is None else self._tensor(f"mask{i}", m, device)  # (count, width) True at pads
+
+
+def varlen_attention(mha, qkv: Tensor, seqlens: SeqLens, attn_mask: Tensor | None = None,
+                     call_cost: int = CALL_COST) -> Tensor:
     """Self-attention of each sequence on its own: qkv (N, 3E) = [q | k | v] projected -> (N, E), merged heads.
 
     `mha` is the MultiHeadAttention whose kernel, rotary and position_bias hooks apply (see the module
     docstring for the two ways it runs). attn_mask: None or a (L, L) mask over positions (e.g. causal), of
     which each sequence of length n takes the top-left (n, n) block, as its real tokens in a right-padded
-    batch would. Equal to the padded computation at the real tokens (tests/test_varlen.py).
+    batch would. call_cost: the fallback's cost of one more kernel call (CALL_COST; 0: a call per distinct
+    length, no padding at all). Equal to the padded computation at the real tokens (tests/test_varlen.py).
     """
     N, H, d = qkv.size(0), mha.num_heads, mha.head_dim
     E = H * d
@@ -160,23 +231,24 @@ def varlen_attention(mha, qkv: Tensor, seqlens: SeqLens, attn_mask: Tensor | Non
         cu = seqlens.cu_seqlens(q.device)
         out = _flash_varlen()(q, k, v, cu, cu, seqlens.max_seqlen, seqlens.max_seqlen)  # (N, H, d)
         return out.reshape(N, E)
-    rows, outs, start = seqlens.sort(qkv), [], 0  # (N, 3, H, d), equal lengths contiguous
-    for n, count in seqlens.groups:
-        if n == 0:  # empty sequences (rows of pads only) have no rows here; longest first, so this is last
-            break
+    plan = seqlens.plan(call_cost // E)  # per score x heads x head_dim -> per score
+    rows = plan.gather(seqlens.sort(qkv))  # (P, 3, H, d): longest first, each call's sequences padded to its width
+    outs, start = [], 0
+    for i, (n, count) in enumerate(plan.calls):
         block = rows[start : start + n * count].view(count, n, 3, H, d)
         start += n * count
         q, k, v = block.permute(2, 0, 3, 1, 4).unbind(0)  # (count, H, n, d) each
         if mha.rotary is not None:
             q, k = mha.rotary(q, k)
         bias = mha.position_bias(n, n) if mha.position_bias is not None else None  # (H, n, n)
+        kpm = plan.key_mask(i, q.device)  # (count, n) True at pads, or None (equal lengths)
         mask = None
-        if attn_mask is not None or bias is not None:
+        if attn_mask is not None or bias is not None or kpm is not None:
             m = attn_mask[:n, :n] if attn_mask is not None else None
-            mask = merge_masks(m, None, batch=count, num_heads=H, L_q=n, L_k=n, dtype=q.dtype, bias=bias)
+            mask = merge_masks(m, kpm, batch=count, num_heads=H, L_q=n, L_k=n, dtype=q.dtype, bias=bias)
         out, _ = mha.attention(q, k, v, mask=mask, need_weights=False)  # (count, H, n, d)
         outs.append(out.transpose(1, 2).reshape(count * n, E))  # (count * n, E), rows in sequence order
-    return seqlens.unsort(torch.cat(outs))  # (N, E)
+    return seqlens.unsort(plan.real(torch.cat(outs)))  # (P, E) -> (N, E) real tokens, sorted -> batch order
 
 
 def varlen_applies(mha, attn_mask: Tensor | None) -> bool:
