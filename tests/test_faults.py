@@ -141,7 +141,10 @@ def test_ctrl_c_from_outside_at_any_moment_resumes_exactly(straight, tmp_path, t
 def test_second_process_into_a_live_run_dir_is_refused_and_the_first_run_is_untouched(
         straight, tmp_path, toy_data_dir):
     out = tmp_path / "run"
-    first = subprocess.Popen(_cmd(out, toy_data_dir, "+callbacks.throttle._target_=test_faults.Throttle"), env=ENV,
+    # 0.2 s a batch: the first run (50 batches) outlives the second's start-up (imports, Hydra) even on a busy
+    # machine; at 0.05 s it could finish first, and the second then found a finished run (exit 0)
+    first = subprocess.Popen(_cmd(out, toy_data_dir, "+callbacks.throttle._target_=test_faults.Throttle",
+                                  "+callbacks.throttle.seconds=0.2"), env=ENV,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120  # the lock is taken first, the record written a moment later
     while time.time() < deadline and not (rundir.is_live(out) and record.path(out).exists()):

@@ -10,8 +10,10 @@ What is counted, for what the model executes (see encoder.py / attention.py / ke
     tokens when the custom encoder unpads (unpad.Unpadding), on all B * L positions for PyTorch's
     encoder (it computes the pads in training);
   * attention per sequence on its real tokens (nn.varlen: the custom encoder, kernels full, window and
-    linformer, given the batch's `lengths`): the sum over sequences of each one's count at its own length;
-    else (PyTorch's encoder, performer, no lengths) on the padded (B, H, L, L) layout. Per kernel:
+    linformer, given the batch's `lengths`): the sum over varlen_attention's calls (CallPlan: sequences of
+    close length share a call, padded to its longest) of each call's count; else (PyTorch's encoder,
+    performer, no lengths) on the padded (B, H, L, L) layout. On CUDA's flash varlen kernel, which pads
+    nothing, this overstates attention by those few pads. Per kernel:
       full       scores Q K^T and A V:                     4 * B * L^2 * E
       window     the band-mask path (L <= 2 * (block + window), or a per-query mask: alibi / t5) is
                  full attention with a mask; the chunked path: 4 * B * E * (nb * c * (g + c + 2w) + g * L)
@@ -34,6 +36,8 @@ forward matmul. (Performer's random features are a buffer, so its Q W^T, K W^T h
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+
+from mhalab.nn.varlen import CALL_COST, SeqLens
 
 TRAIN_FACTOR = 3  # forward + backward (two matmuls per forward matmul)
 WINDOW_MIN_BLOCK = 64  # kernels.WindowAttention's default query block: max(window // 2, 64)
@@ -92,7 +96,9 @@ def forward_flops(*, batch: int, seq_len: int, num_tokens: int, dim: int, heads:
     feed_forward = 2 * 2 * positions * E * ff_dim  # E -> F -> E
     query_masks = pos in ("alibi", "t5")
     if encoder == "custom" and attention in PER_SEQUENCE and lengths is not None and N < B * L:
-        attn = sum(attention_flops(attention, 1, n, E, heads, attention_options, query_masks) for n in lengths)
+        # the calls varlen_attention's fallback makes (CallPlan: sequences of close length share a call, padded)
+        calls = SeqLens(lengths).plan(CALL_COST // E).calls
+        attn = sum(attention_flops(attention, count, n, E, heads, attention_options, query_masks) for n, count in calls)
     else:
         attn = attention_flops(attention, B, L, E, heads, attention_options, query_masks)
     head = 2 * B * E * num_classes
