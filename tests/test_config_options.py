@@ -66,7 +66,9 @@ def _options(group: str) -> list[str]:
     return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
 
 
-CASES = [pytest.param(g, o, id=f"{g}={o}") for g in GROUPS + HYDRA_GROUPS for o in _options(g)]
+SLOW_OPTIONS = {"sweep=lra_gpu"}  # 20 s (the LRA kinds at the paper's width): make test-slow; sweep=lra runs in CI
+CASES = [pytest.param(g, o, id=f"{g}={o}", marks=[pytest.mark.slow] if f"{g}={o}" in SLOW_OPTIONS else [])
+         for g in GROUPS + HYDRA_GROUPS for o in _options(g)]
 
 
 def _first(spec) -> str:

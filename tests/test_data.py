@@ -300,7 +300,7 @@ def test_word_tokenizer_keeps_every_symbol_whole(tmp_path):
 
 def test_wordpiece_vocabulary_is_the_same_in_every_process(tmp_path):
     """tokenizers' WordPiece trainer alone gives a different vocabulary in each process (hash-map order
-    breaks ties: 6 of 6 processes differed on these texts); ours gives one, so a fresh clone reproduces a run."""
+    breaks ties: 6 of 6 processes differed on these texts); ours gives one (two processes here), so a fresh clone reproduces a run."""
     texts_file = tmp_path / "texts.json"
     rows = (write_toy_sst2(tmp_path) / "sst2" / "train.tsv").read_text().splitlines()[1:]
     texts_file.write_text(json.dumps([r.split("\t")[0] for r in rows]))
@@ -308,8 +308,8 @@ def test_wordpiece_vocabulary_is_the_same_in_every_process(tmp_path):
             "tok = train_tokenizer(json.load(open(sys.argv[1])), 'wordpiece', 200, True, 1); "
             "print(json.dumps(sorted(tok.get_vocab().items(), key=lambda kv: kv[1])))")
     vocabs = [subprocess.run([sys.executable, "-c", code, str(texts_file)], capture_output=True, text=True,
-                             check=True).stdout for _ in range(3)]
-    assert len(json.loads(vocabs[0])) > 100 and vocabs[1] == vocabs[0] and vocabs[2] == vocabs[0]
+                             check=True).stdout for _ in range(2)]
+    assert len(json.loads(vocabs[0])) > 100 and vocabs[1] == vocabs[0]
 
 
 def test_wordpiece_pieces_are_ordinary_vocabulary_not_special_tokens():

@@ -368,7 +368,8 @@ class TextClassificationDataModule(L.LightningDataModule):
             "tokenizer_kind": self.tokenizer_kind, "vocab_size": self.target_vocab_size, "lowercase": self.lowercase,
             "min_frequency": self.min_frequency, "cache_dir": str(self.cache_root.absolute()), "max_len": self.max_len,
             "batch_size": self.batch_size, "eval_batch_size": self.eval_batch_size, "batching": self.batching,
-            "bucket_batches": self.bucket_batches, "tokens_per_batch": self.tokens_per_batch, "fixed_len": self.fixed_len, "drop_last": self.drop_last,
+            "bucket_batches": self.bucket_batches, "tokens_per_batch": self.tokens_per_batch,
+            "fixed_len": self.fixed_len, "drop_last": self.drop_last,
             "num_workers": self.num_workers, "pin_memory": self._pin_memory_setting,
         }
 

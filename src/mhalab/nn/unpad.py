@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from mhalab.nn.varlen import SeqLens
+from mhalab.nn.varlen import SeqLens, to_device
 
 
 class Unpadding:
@@ -57,7 +57,7 @@ class Unpadding:
             raise ValueError(f"width={width} is shorter than the longest sequence ({seqlens.max_seqlen}).")
         self = cls(torch.arange(width)[None, :] >= lengths[:, None])  # on the CPU
         for name in ("key_padding_mask", "index", "pad_index", "source"):
-            setattr(self, name, getattr(self, name).to(device))
+            setattr(self, name, to_device(getattr(self, name), device))
         self._seqlens = seqlens
         return self
 

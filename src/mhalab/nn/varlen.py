@@ -41,6 +41,15 @@ def _flash_varlen():
     return varlen_attn
 
 
+def to_device(t: Tensor, device) -> Tensor:
+    """A host tensor onto `device` without a host sync: a plain .to("cuda") from pageable memory waits for the
+    stream (torch's copy then synchronizes); pinned and non_blocking, it is queued like a kernel."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 class SeqLens:
     """The lengths of B sequences packed as (N, ...) rows, on the host, with the index tensors built from them.
 
@@ -95,7 +104,7 @@ class SeqLens:
                 value = torch.as_tensor(self.lengths)
             else:
                 raise KeyError(name)
-            self._cache[key] = value.to(device)
+            self._cache[key] = to_device(value, device)
         return self._cache[key]
 
     def cu_seqlens(self, device) -> Tensor:
@@ -195,7 +204,7 @@ class CallPlan:
     def _tensor(self, name: str, value: np.ndarray, device) -> Tensor:
         key = (name, torch.device(device))
         if key not in self._cache:
-            self._cache[key] = torch.as_tensor(value).to(device)
+            self._cache[key] = to_device(torch.as_tensor(value), device)
         return self._cache[key]
 
     def gather(self, x: Tensor) -> Tensor:
