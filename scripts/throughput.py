@@ -14,13 +14,12 @@ from __future__ import annotations
 import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from hydra import compose, initialize_config_dir
 
-from mhalab.analysis.options import doc, parse
+from mhalab.analysis.options import doc, emit, parse
 from mhalab.data import TextClassificationDataModule
 from mhalab.errors import ConfigError, one_line_errors
 from mhalab.model import SequenceClassifier
@@ -115,11 +114,7 @@ def main(argv=None) -> None:
         lines.append(f"| {r['data']} ({size['batch_size']}, {size['max_len']}) | {r['mode']} | "
                      f"{r['tokens_per_s']:,.0f} | {r['tokens_per_s'] / base['tokens_per_s']:.2f}x | "
                      f"{100 * r['padding_fraction']:.1f}% | {r['s_per_step']:.3f} |")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(text)
+    emit("\n".join(lines) + "\n", args.out)
 
 
 if __name__ == "__main__":

@@ -16,12 +16,11 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 from torch import nn
 
-from mhalab.analysis.options import doc, parse
+from mhalab.analysis.options import doc, emit, parse
 from mhalab.errors import ConfigError, one_line_errors
 from mhalab.nn.encoder import TransformerEncoder
 
@@ -85,11 +84,7 @@ def main(argv=None) -> None:
         tr, inf = med[(name, "train")], med[(name, "infer")]
         lines.append(f"| {name} | {1e3 * tr:,.0f} | {tr / med[(ref, 'train')]:.2f}x | {1e3 * inf:,.0f} | "
                      f"{inf / med[(ref, 'infer')]:.2f}x |")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(text)
+    emit("\n".join(lines) + "\n", args.out)
 
 
 if __name__ == "__main__":

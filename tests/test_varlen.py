@@ -6,12 +6,14 @@ position of the (B, L) layout with a key-padding mask, as nn.TransformerEncoder 
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import sys
 
 import numpy as np
 import pytest
 import torch
-from conftest import compose_train
+from conftest import REPO, compose_train
 
 from mhalab.data.collate import Collate, PackedCollate
 from mhalab.data.sampler import PackedBatchSampler
@@ -154,6 +156,7 @@ def test_seqlens_sorts_only_unsorted_batches():
     assert s.positions("cpu").tolist() == [0, 1, 2, 0, 1, 2, 3, 4, 0, 1, 2, 0]
     rows = torch.arange(12)
     assert s.sort(rows).tolist() == [3, 4, 5, 6, 7, 0, 1, 2, 8, 9, 10, 11] and torch.equal(s.unsort(s.sort(rows)), rows)
+    assert s.padded_index(6, "cpu").tolist() == [0, 1, 2, 6, 7, 8, 9, 10, 12, 13, 14, 18]  # in a (4, 6) batch
     already = SeqLens([5, 3, 3, 1])  # longest first: no gather at all
     assert already._perm is None and already.sort(rows) is rows
     x = torch.randn(12, 4)
@@ -214,6 +217,7 @@ def test_packed_sampler_draws_a_plain_shuffle_cut_into_equal_token_batches():
     assert all(abs(lengths[b].sum() - target) <= 64 for b in batches)
     assert all(list(lengths[b]) == sorted(lengths[b], reverse=True) for b in batches)
     assert s.global_batches(1) != batches  # a new order every epoch
+    assert s.padding_fraction(0) == 0.0  # what the datamodule logs: packed batches have no pads
     budget = PackedBatchSampler(lengths, 64, tokens_per_batch=4000)
     assert len(budget) == -(-int(lengths.sum()) // 4000)
 
@@ -270,3 +274,17 @@ def test_cuda_varlen_kernel_equals_the_padded_computation(dtype):
     with torch.autocast("cuda", dtype=dtype):
         a, b = ours(x, src_key_padding_mask=kpm), padded(x, src_key_padding_mask=kpm)
     assert (a.float() - b.float())[~kpm].abs().max() < 2e-2
+
+
+def test_varlen_stack_script_writes_its_table_with_the_official_encoder_as_reference(tmp_path, monkeypatch):
+    """scripts/varlen_stack.py, as the README runs it, at tiny sizes: three encoders, the reference at 1.00x."""
+    spec = importlib.util.spec_from_file_location("varlen_stack", REPO / "scripts" / "varlen_stack.py")
+    script = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "varlen_stack", script)  # its dataclass looks its module up there
+    spec.loader.exec_module(script)
+    out = tmp_path / "stack.md"
+    script.main(["reps=1", "batch=2", "min_len=3", "max_len=8", f"out={out}"])
+    rows = [r for r in out.read_text().splitlines() if r.startswith(("| ours", "| nn."))]
+    assert [r.split(" | ")[0] for r in rows] == ["| ours, per sequence (varlen)", "| ours, padded layout",
+                                                 "| nn.TransformerEncoder"]
+    assert rows[-1].split(" | ")[2] == "1.00x" and rows[-1].split(" | ")[4] == "1.00x |"

@@ -222,7 +222,7 @@ class SequenceClassifier(nn.Module):
         device sync on CUDA) and nothing is computed for the pads. Same logits either way."""
         if seqlens is not None:
             if input_ids.dim() == 2:  # (B, L) right-padded -> (N,) real tokens
-                input_ids = Unpadding.from_seqlens(seqlens, input_ids.device, input_ids.size(1)).pack(input_ids)
+                input_ids = input_ids.flatten().index_select(0, seqlens.padded_index(input_ids.size(1), input_ids.device))
             return self._forward_packed(input_ids, seqlens)
         if padding_mask is None:
             padding_mask = input_ids == self.pad_id

@@ -89,3 +89,11 @@ def split_dir(argv: Sequence[str], usage: str) -> tuple[Path, list[str]]:
         raise ConfigError(f"give one sweep dir, not {len(dirs)}{': ' + ' '.join(dirs) if dirs else ''} "
                           f"(usage: {usage})")
     return Path(dirs[0]) if dirs else Path(), [w for w in argv if w not in dirs]
+
+
+def emit(text: str, out: str | None) -> None:
+    """Print a command's report, and write it to `out` too when given (its folder made)."""
+    print(text)
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(text)

@@ -171,3 +171,6 @@ class PackedBatchSampler(LengthBatchSampler):
         ends = np.minimum(ends, n - k + np.arange(1, k))
         batches = np.split(order, ends)
         return [b[np.argsort(-self.lengths[b], kind="stable")].tolist() for b in batches]
+
+    def padding_fraction(self, epoch: int | None = None, pad_to: int | None = None) -> float:
+        return 0.0  # laid back to back (PackedCollate): no pads at all

@@ -48,14 +48,11 @@ class Unpadding:
         self._seqlens: SeqLens | None | bool = False  # not looked at yet (see seqlens)
 
     @classmethod
-    def from_seqlens(cls, seqlens: SeqLens, device, width: int | None = None) -> Unpadding:
-        """The right-padded (B, width) layout of sequences of these lengths (width: default the longest), built
-        on the host from the lengths and moved to `device`: no device sync."""
+    def from_seqlens(cls, seqlens: SeqLens, device) -> Unpadding:
+        """The right-padded (B, longest) layout of sequences of these lengths, built on the host from the lengths
+        and moved to `device`: no device sync."""
         lengths = torch.tensor(seqlens.lengths)
-        width = seqlens.max_seqlen if width is None else width
-        if width < seqlens.max_seqlen:
-            raise ValueError(f"width={width} is shorter than the longest sequence ({seqlens.max_seqlen}).")
-        self = cls(torch.arange(width)[None, :] >= lengths[:, None])  # on the CPU
+        self = cls(torch.arange(seqlens.max_seqlen)[None, :] >= lengths[:, None])  # on the CPU
         for name in ("key_padding_mask", "index", "pad_index", "source"):
             setattr(self, name, to_device(getattr(self, name), device))
         self._seqlens = seqlens

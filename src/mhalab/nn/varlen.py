@@ -72,7 +72,9 @@ class SeqLens:
         self._plans: dict[int, CallPlan] = {}
         self._perm = None
         if (order != np.arange(len(lens))).any():
-            self._perm = np.concatenate([np.arange(self._cu[i], self._cu[i + 1]) for i in order])  # (N,)
+            # (N,) the rows of the sorted sequences: each one's start, plus 0..n-1
+            first = np.repeat(np.cumsum(self._sorted) - self._sorted, self._sorted)  # its first sorted row
+            self._perm = np.repeat(self._cu[:-1][order], self._sorted) + np.arange(self.num_tokens) - first
         self._cache: dict[tuple[str, torch.device], Tensor] = {}
 
     @classmethod
@@ -105,6 +107,14 @@ class SeqLens:
             else:
                 raise KeyError(name)
             self._cache[key] = to_device(value, device)
+        return self._cache[key]
+
+    def padded_index(self, width: int, device) -> Tensor:
+        """(N,) the flat positions b * width + l of the real tokens in a right-padded (B, width) batch."""
+        key = (f"padded{width}", torch.device(device))
+        if key not in self._cache:
+            rows = np.repeat(np.arange(self.batch) * width, self.lengths) + self._tensor("positions", "cpu").numpy()
+            self._cache[key] = to_device(torch.as_tensor(rows), device)
         return self._cache[key]
 
     def cu_seqlens(self, device) -> Tensor:
