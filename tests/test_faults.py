@@ -57,6 +57,15 @@ def _log(run_dir: Path) -> pd.DataFrame:
     return pd.read_csv(run_dir / "logs" / "metrics.csv")
 
 
+def _logged_step(run_dir: Path) -> float:
+    """The last step in a live run's CSV log, or -1 while it has none (absent, or created but not yet written)."""
+    path = run_dir / "logs" / "metrics.csv"
+    try:
+        return _log(run_dir)["step"].max() if path.exists() else -1
+    except (pd.errors.EmptyDataError, KeyError):  # the logger writes the header and rows a moment later
+        return -1
+
+
 def _rec(run_dir: Path) -> dict:
     return json.loads((run_dir / "metrics.json").read_text())
 
@@ -128,7 +137,7 @@ def test_ctrl_c_from_outside_at_any_moment_resumes_exactly(straight, tmp_path, t
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120
     # past step 9 (rows are logged every 5 steps; how many rows a step has depends on the loggers' callbacks)
-    while time.time() < deadline and not ((out / "logs" / "metrics.csv").exists() and _log(out)["step"].max() >= 9):
+    while time.time() < deadline and _logged_step(out) < 9:
         time.sleep(0.05)
     proc.send_signal(signal.SIGINT)
     stdout, err = proc.communicate(timeout=300)
