@@ -68,6 +68,10 @@ CASES = [
     Case("official-with-rope", "train.py", ["model=official", "model.pos=rope"],
          "model=official supports attention=full with pos=sinusoidal|learned only (got attention=full, "
          "pos=rope); use model=custom for the variants."),
+    Case("official-with-head-dim", "train.py", ["model=official", "model.head_dim=16"],
+         "model=official cannot take model.head_dim=16: nn.MultiheadAttention splits dim among the heads; set "
+         "model.head_dim=null (dim / heads) or use model=custom."),
+    Case("head-dim-0", "train.py", ["model.head_dim=0"], "model.head_dim=0 must be >= 1 (or null: dim / heads)."),
     Case("lr-0", "train.py", ["lr=0"], "lr=0 must be > 0, e.g. 1e-3."),
     Case("dropout-1", "train.py", ["dropout=1.0"], "dropout=1.0 must be in [0, 1), e.g. 0.1."),
     Case("max-len-2", "train.py", ["max_len=2"],
@@ -94,6 +98,9 @@ CASES = [
     Case("ckpt-other-classes", "train.py", ["ckpt_path={run}", "data.num_classes=3"],
          "ckpt_path={run}/checkpoints/last.ckpt holds a 2-class model (trained on sst2), but the config has 3 "
          "classes (data=sst2); resume on sst2 with data.num_classes=2."),
+    Case("ckpt-other-head-dim", "train.py", ["ckpt_path={run}", "model.head_dim=16"],
+         "ckpt_path={run}/checkpoints/last.ckpt holds a model with head_dim=null, but the config has head_dim=16; "
+         "resume with the same model settings (e.g. head_dim=null)."),
     Case("ckpt-other-shape", "train.py", ["ckpt_path={run}", "heads=2"],
          "ckpt_path={run}/checkpoints/last.ckpt holds a model with heads=4, but the config has heads=2; "
          "resume with the same model settings (e.g. heads=4)."),

@@ -54,6 +54,10 @@ CASES = {
     "cls-pooling": ({"pooling": "cls"}, [20, 13, 7, 16], 20),  # one more position per row
     "official-encoder": ({"encoder": "official"}, [20, 13, 7, 16], 20),  # PyTorch's computes the pads too
     "rope": ({"pos": "rope"}, [20, 13, 7, 16], 20),
+    # model.head_dim: 4 heads x 24 = 96 wide attention on dim 32 (projections 32 -> 96 -> 32)
+    "head-dim": ({"head_dim": 24}, [20, 13, 7, 16], 20),
+    "head-dim-performer": ({"head_dim": 6, "attention": "performer", "attention_options": {"performer_features": 16}},
+                           [20, 13, 7, 16], 20),
     "window-band-mask": ({"attention": "window", "attention_options": {"window": 8}}, [20, 13, 7, 16], 20),
     # L = 300 > 2 * (block 64 + window 16): the chunked path, with 2 global tokens
     "window-chunked": ({"attention": "window", "attention_options": {"window": 16, "global_tokens": 2}},

@@ -106,9 +106,10 @@ def attention_parts(
     num_heads: int,
     max_len: int,
     dropout: float,
+    head_dim: int | None = None,
     **options: int,
 ) -> dict[str, nn.Module | None]:
-    """Modules for MultiHeadAttention(embed_dim, num_heads, dropout, **parts).
+    """Modules for MultiHeadAttention(embed_dim, num_heads, dropout, head_dim=head_dim, **parts).
 
     Returns {"attention": kernel or None (None = the default softmax kernel),
              "rotary": RotaryEmbedding or None, "position_bias": ALiBi / T5RelativeBias or None}.
@@ -119,8 +120,7 @@ def attention_parts(
     """
     check_attention(attention, pos, options, max_len)
     o = {**ATTENTION_OPTIONS, **options}
-    check_heads(embed_dim, num_heads)
-    head_dim = embed_dim // num_heads
+    head_dim = check_heads(embed_dim, num_heads, head_dim=head_dim)  # None: embed_dim / num_heads
 
     kernel: nn.Module | None = None
     if attention == "window":
@@ -143,9 +143,10 @@ POOLINGS = ("mean", "cls")
 ENCODERS = ("custom", "official")
 
 
-def check_model(encoder: str, pooling: str, attention: str, pos: str) -> None:
+def check_model(encoder: str, pooling: str, attention: str, pos: str, head_dim: int | None = None) -> None:
     """The classifier's own rules (the config validation runs them too): known encoder and pooling, and
-    PyTorch's encoder only with full attention and absolute positions. ValueError naming the fix."""
+    PyTorch's encoder only with full attention, absolute positions and head_dim = dim / heads. ValueError
+    naming the fix."""
     if encoder not in ENCODERS:
         raise ValueError(f"unknown model.encoder '{encoder}'; choose one of {', '.join(ENCODERS)}.")
     if pooling not in POOLINGS:
@@ -154,6 +155,11 @@ def check_model(encoder: str, pooling: str, attention: str, pos: str) -> None:
         raise ValueError(
             f"model=official supports attention=full with pos={'|'.join(ABSOLUTE_POSITIONS)} only (got "
             f"attention={attention}, pos={pos}); use model=custom for the variants."
+        )
+    if encoder == "official" and head_dim is not None:
+        raise ValueError(
+            f"model=official cannot take model.head_dim={head_dim}: nn.MultiheadAttention splits dim among the "
+            f"heads; set model.head_dim=null (dim / heads) or use model=custom."
         )
 
 
@@ -179,9 +185,10 @@ class SequenceClassifier(nn.Module):
         embed_dropout: float | None = None,
         block_min_scores: int | None = BLOCK_MIN_SCORES,
         query_block: int = QUERY_BLOCK,
+        head_dim: int | None = None,
     ):
         super().__init__()
-        check_model(encoder, pooling, attention, pos)
+        check_model(encoder, pooling, attention, pos, head_dim)
 
         self.pooling, self.pad_id = pooling, pad_id
         n_pos = max_len + (pooling == "cls")  # the CLS vector takes position 0
@@ -194,7 +201,7 @@ class SequenceClassifier(nn.Module):
             self.pos = LearnedPosition(dim, n_pos)
         # relative positions (rope/alibi/t5) and attention kinds live inside each attention layer
         parts = attention_parts(
-            attention, pos, embed_dim=dim, num_heads=heads, max_len=n_pos, dropout=dropout,
+            attention, pos, embed_dim=dim, num_heads=heads, max_len=n_pos, dropout=dropout, head_dim=head_dim,
             **(attention_options or {}),
         )
         stack = {"num_layers": layers, "embed_dim": dim, "num_heads": heads, "ff_dim": ff_dim, "dropout": dropout,
@@ -203,7 +210,7 @@ class SequenceClassifier(nn.Module):
             # CPU training at long L: query blocks (ScaledDotProductAttention); not weights, so any
             # checkpoint loads whatever the values. PyTorch's encoder has no such switch: ignored there.
             mha = MultiHeadAttention(dim, heads, dropout, **parts, block_min_scores=block_min_scores,
-                                     query_block=query_block)
+                                     query_block=query_block, head_dim=head_dim)
             layer = TransformerEncoderLayer(dim, heads, ff_dim, dropout, activation, norm_first, self_attn=mha)
             self.encoder = TransformerEncoder(**stack, layer=layer)
         else:

@@ -125,18 +125,25 @@ def _blocked_sdpa(Q: Tensor, K: Tensor, V: Tensor, mask: Tensor | None, p: float
     return torch.cat(outs, dim=-2)  # (..., L_q, d)
 
 
-def check_heads(embed_dim: int, num_heads: int, names: tuple[str, str] = ("embed_dim", "num_heads")) -> None:
-    """The one rule for head counts: both positive, and num_heads divides embed_dim (each head gets
-    embed_dim / num_heads dims). `names` are the caller's names for the two (the config says dim, heads)."""
+def check_heads(embed_dim: int, num_heads: int, names: tuple[str, str] = ("embed_dim", "num_heads"),
+                head_dim: int | None = None) -> int:
+    """The one rule for head counts: both positive, and, unless head_dim is given (>= 1), num_heads divides
+    embed_dim (each head gets embed_dim / num_heads dims). Returns the head width. `names` are the caller's
+    names for the two (the config says dim, heads)."""
     e, h = names
     if embed_dim < 1 or num_heads < 1:
         raise ValueError(f"{e}={embed_dim} and {h}={num_heads} must both be >= 1.")
+    if head_dim is not None:
+        if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 1:
+            raise ValueError(f"head_dim={head_dim!r} must be an integer >= 1, or null for {e} / {h}.")
+        return head_dim
     if embed_dim % num_heads:
         ok = [k for k in range(1, min(embed_dim, 64) + 1) if embed_dim % k == 0]
         raise ValueError(
             f"{h}={num_heads} does not divide {e}={embed_dim} ({e.replace('embed_', '')} per head would be "
             f"{embed_dim / num_heads:.2f}); choose {h} in {ok} or a {e} that is a multiple of {num_heads}."
         )
+    return embed_dim // num_heads
 
 
 class MultiHeadAttention(nn.Module):
@@ -150,6 +157,9 @@ class MultiHeadAttention(nn.Module):
     `attention` swaps the kernel (see mhalab.model); `rotary` rotates q and k (RoPE);
     `position_bias` adds a (H, L_q, L_k) bias to the scores (ALiBi, T5).
     `block_min_scores`, `query_block` go to the default kernel (see ScaledDotProductAttention).
+    `head_dim` (None: embed_dim / num_heads, the article's rule) sets each head's width apart from
+    embed_dim: W_Q, W_K, W_V map E -> H x head_dim and W_O maps back (x-transformers' `dim_head`), so heads
+    and head_dim can vary one at a time. nn.MultiheadAttention cannot express it (to_official refuses).
     `explicit=True` always attends through the (B, H, L_q, L_k) weights (the need_weights=True path), also
     when the caller passes need_weights=False, as encoder layers do; the weights are returned only when
     asked for. It is how the benchmark and the comparison with PyTorch time and test that path inside an
@@ -168,16 +178,17 @@ class MultiHeadAttention(nn.Module):
         block_min_scores: int | None = BLOCK_MIN_SCORES,
         query_block: int = QUERY_BLOCK,
         explicit: bool = False,
+        head_dim: int | None = None,
     ):
         super().__init__()
-        check_heads(embed_dim, num_heads)
         self.embed_dim = embed_dim
         self.num_heads = num_heads
-        self.head_dim = embed_dim // num_heads
-        self.W_Q = nn.Linear(embed_dim, embed_dim, bias=bias)
-        self.W_K = nn.Linear(embed_dim, embed_dim, bias=bias)
-        self.W_V = nn.Linear(embed_dim, embed_dim, bias=bias)
-        self.W_O = nn.Linear(embed_dim, embed_dim, bias=bias)
+        self.head_dim = check_heads(embed_dim, num_heads, head_dim=head_dim)  # None: embed_dim / num_heads
+        self.inner_dim = num_heads * self.head_dim  # = embed_dim unless head_dim is given
+        self.W_Q = nn.Linear(embed_dim, self.inner_dim, bias=bias)
+        self.W_K = nn.Linear(embed_dim, self.inner_dim, bias=bias)
+        self.W_V = nn.Linear(embed_dim, self.inner_dim, bias=bias)
+        self.W_O = nn.Linear(self.inner_dim, embed_dim, bias=bias)
         self.attention = (attention if attention is not None
                           else ScaledDotProductAttention(dropout, block_min_scores, query_block))
         self.rotary = rotary
@@ -186,8 +197,9 @@ class MultiHeadAttention(nn.Module):
         self._reset_parameters()
 
     def _reset_parameters(self) -> None:
-        # Same init as nn.MultiheadAttention: xavier on the stacked (3E, E) in-projection, zero biases.
-        w = torch.empty(3 * self.embed_dim, self.embed_dim)
+        # Same init as nn.MultiheadAttention: xavier on the stacked (3E, E) in-projection, zero biases
+        # ((3 x heads x head_dim, E) when head_dim is given; W_O keeps nn.Linear's init, as PyTorch's out_proj).
+        w = torch.empty(3 * self.inner_dim, self.embed_dim)
         nn.init.xavier_uniform_(w)
         for lin, chunk in zip((self.W_Q, self.W_K, self.W_V), w.chunk(3)):
             with torch.no_grad():
@@ -254,10 +266,11 @@ class MultiHeadAttention(nn.Module):
         self, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None, attn_mask: Tensor | None,
         need_weights: bool,
     ) -> tuple[Tensor, Tensor | None]:
-        """Projected q (B, L_q, E), k and v (B, L_k, E) -> heads -> attention -> merged (B, L_q, E)."""
+        """Projected q (B, L_q, H*d), k and v (B, L_k, H*d) -> heads -> attention -> merged (B, L_q, H*d)
+        (H*d = E unless head_dim is given)."""
         B, L_q, _ = q.shape
         L_k = k.size(1)
-        # split heads: (B, L, E) -> (B, L, H, d) -> (B, H, L, d)
+        # split heads: (B, L, H*d) -> (B, L, H, d) -> (B, H, L, d)
         q = q.view(B, L_q, self.num_heads, self.head_dim).transpose(1, 2)
         k = k.view(B, L_k, self.num_heads, self.head_dim).transpose(1, 2)
         v = v.view(B, L_k, self.num_heads, self.head_dim).transpose(1, 2)
@@ -271,10 +284,10 @@ class MultiHeadAttention(nn.Module):
         )  # None or broadcastable to (B, H, L_q, L_k)
         out, weights = self.attention(q, k, v, mask=mask, need_weights=need_weights or self.explicit)
         weights = weights if need_weights else None  # explicit=True computed them, nobody asked
-        # merge heads: (B, H, L_q, d) -> (B, L_q, H, d) -> (B, L_q, E)
+        # merge heads: (B, H, L_q, d) -> (B, L_q, H, d) -> (B, L_q, H*d)
         # (free when the kernel wrote its output as (B, L_q, H, d), as SDPA's CPU kernel does when q
         # is a view of a (B, L, ...) projection, as here)
-        return out.transpose(1, 2).reshape(B, L_q, self.embed_dim), weights
+        return out.transpose(1, 2).reshape(B, L_q, self.inner_dim), weights
 
     def _forward_packed(
         self, x: Tensor, unpad: Unpadding, attn_mask: Tensor | None, need_weights: bool
@@ -331,6 +344,12 @@ class MultiHeadAttention(nn.Module):
     def to_official(self) -> nn.MultiheadAttention:
         if not isinstance(self.attention, ScaledDotProductAttention) or self.rotary or self.position_bias:
             raise ValueError("to_official needs plain softmax attention without rotary or position bias.")
+        if self.inner_dim != self.embed_dim:
+            raise ValueError(
+                f"to_official: nn.MultiheadAttention splits embed_dim={self.embed_dim} among its heads, so it cannot "
+                f"express num_heads={self.num_heads} x head_dim={self.head_dim} = {self.inner_dim}; only "
+                f"head_dim = embed_dim / num_heads (head_dim=None) converts."
+            )
         has_bias = self.W_Q.bias is not None
         w = self.W_Q.weight
         mha = nn.MultiheadAttention(

@@ -147,13 +147,14 @@ class TransformerEncoderLayer(nn.Module):
         return ours
 
     def to_official(self) -> nn.TransformerEncoderLayer:
+        attn = self.self_attn.to_official()  # first: it refuses what PyTorch's layer cannot express
         lin1 = self.ffn[0]
         layer = nn.TransformerEncoderLayer(
             self.self_attn.embed_dim, self.self_attn.num_heads, lin1.out_features, dropout=self.dropout1.p,
             activation=self.activation, layer_norm_eps=self.norm1.eps, batch_first=True,
             norm_first=self.norm_first, device=lin1.weight.device, dtype=lin1.weight.dtype,
         )
-        layer.self_attn = self.self_attn.to_official()
+        layer.self_attn = attn
         layer.linear1.load_state_dict(lin1.state_dict())
         layer.linear2.load_state_dict(self.ffn[3].state_dict())
         layer.norm1.load_state_dict(self.norm1.state_dict())

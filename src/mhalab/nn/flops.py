@@ -45,7 +45,8 @@ WINDOW_MIN_BLOCK = 64  # kernels.WindowAttention's default query block: max(wind
 
 def attention_flops(attention: str, batch: int, seq_len: int, dim: int, heads: int, options: Mapping | None = None,
                     query_masks: bool = False) -> int:
-    """Forward FLOPs of one attention layer's kernel (after the projections) on (B, H, L, d) q, k, v.
+    """Forward FLOPs of one attention layer's kernel (after the projections) on (B, H, L, d) q, k, v;
+    dim = H x d (the model's dim unless model.head_dim is set).
 
     options: the kernel's resolved model.attention_options (window, global_tokens, linformer_k,
     performer_features), as mhalab.model.ATTENTION_OPTIONS fills them in.
@@ -77,7 +78,7 @@ PER_SEQUENCE = ("full", "window", "linformer")  # the kernels with per_sequence 
 def forward_flops(*, batch: int, seq_len: int, num_tokens: int, dim: int, heads: int, layers: int, ff_dim: int,
                   num_classes: int, attention: str = "full", attention_options: Mapping | None = None,
                   pooling: str = "mean", pos: str = "sinusoidal", encoder: str = "custom",
-                  lengths: Sequence[int] | None = None, **_unused) -> int:
+                  lengths: Sequence[int] | None = None, head_dim: int | None = None, **_unused) -> int:
     """Forward FLOPs of SequenceClassifier on a (batch, seq_len) batch with num_tokens real (non-pad) tokens.
 
     The keywords are SequenceClassifier's (pass its config with `**model_cfg`; the ones that do not
@@ -85,22 +86,24 @@ def forward_flops(*, batch: int, seq_len: int, num_tokens: int, dim: int, heads:
     (every option the chosen kernel reads). seq_len and num_tokens are the collated batch's: with
     pooling=cls the encoder sees one more position per sequence, the CLS vector, counted here.
     lengths: the B sequences' real lengths (sum = num_tokens), for attention per sequence (see above).
+    head_dim: model.head_dim (None: dim / heads); attention works at D = heads x head_dim.
     """
     B, L, N, E = batch, seq_len, num_tokens, dim
+    D = E if head_dim is None else heads * head_dim  # the attention's inner width
     if pooling == "cls":
         L, N = L + 1, N + B
         lengths = None if lengths is None else [n + 1 for n in lengths]
     # custom encoder: unpadded only when something is padded (TransformerEncoder._unpadding); N = B * L otherwise
     positions = N if encoder == "custom" else B * L
-    projections = 2 * positions * E * 3 * E + 2 * positions * E * E  # in-projection (E -> 3E) and W_O
+    projections = 2 * positions * E * 3 * D + 2 * positions * D * E  # in-projection (E -> 3D) and W_O (D -> E)
     feed_forward = 2 * 2 * positions * E * ff_dim  # E -> F -> E
     query_masks = pos in ("alibi", "t5")
     if encoder == "custom" and attention in PER_SEQUENCE and lengths is not None and N < B * L:
         # the calls varlen_attention's fallback makes (CallPlan: sequences of close length share a call, padded)
-        calls = SeqLens(lengths).plan(CALL_COST // E).calls
-        attn = sum(attention_flops(attention, count, n, E, heads, attention_options, query_masks) for n, count in calls)
+        calls = SeqLens(lengths).plan(CALL_COST // D).calls
+        attn = sum(attention_flops(attention, count, n, D, heads, attention_options, query_masks) for n, count in calls)
     else:
-        attn = attention_flops(attention, B, L, E, heads, attention_options, query_masks)
+        attn = attention_flops(attention, B, L, D, heads, attention_options, query_masks)
     head = 2 * B * E * num_classes
     return layers * (projections + feed_forward + attn) + head
 

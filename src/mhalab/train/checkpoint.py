@@ -31,7 +31,8 @@ if TYPE_CHECKING:
 LAST = "last.ckpt"
 CHECKPOINT_DIR = "checkpoints"
 # model settings that change the shapes or the meaning of the weights: a resume must keep them
-SHAPE_KEYS = ("encoder", "dim", "heads", "layers", "ff_dim", "pos", "attention", "pooling", "max_len")
+SHAPE_KEYS = ("encoder", "dim", "heads", "head_dim", "layers", "ff_dim", "pos", "attention", "pooling", "max_len")
+SHAPE_DEFAULTS = {"head_dim": None}  # shape keys older checkpoints lack, with the value they had
 # data settings that make the tokenizer (and so the embedding rows) another one
 DATA_KEYS = ("name", "tokenizer_kind", "vocab_size")
 
@@ -105,10 +106,14 @@ def check_fits(path: str | Path, model: dict, data: dict) -> None:
     m = meta(path)
     saved = m["hyper_parameters"].get("model", {})
     for key in SHAPE_KEYS:
-        if key in saved and saved[key] != model.get(key):
+        if key not in saved and key not in SHAPE_DEFAULTS:
+            continue
+        was, now = saved.get(key, SHAPE_DEFAULTS.get(key)), model.get(key)
+        if was != now:
+            show = lambda v: "null" if v is None else v  # noqa: E731  (as the config writes it)
             raise CheckpointError(
-                f"ckpt_path={path} holds a model with {key}={saved[key]}, but the config has "
-                f"{key}={model.get(key)}; resume with the same model settings (e.g. {key}={saved[key]})."
+                f"ckpt_path={path} holds a model with {key}={show(was)}, but the config has "
+                f"{key}={show(now)}; resume with the same model settings (e.g. {key}={show(was)})."
             )
     classes = data.get("num_classes") or (len(data["label_names"]) if data.get("label_names") else None)
     saved_classes = m["hyper_parameters"].get("num_classes")

@@ -122,7 +122,8 @@ def validate(cfg: DictConfig) -> None:
 
     m = cfg.model
     dim, heads = _int(cfg, "model.dim", 1), _int(cfg, "model.heads", 1)
-    _ok(check_heads, dim, heads, ("dim", "heads"))
+    head_dim = None if m.get("head_dim") is None else _int(cfg, "model.head_dim", 1, " (or null: dim / heads)")
+    _ok(check_heads, dim, heads, ("dim", "heads"), head_dim)
     _int(cfg, "model.layers", 1)
     _int(cfg, "model.ff_dim", 1)
     max_len = _int(cfg, "data.max_len")  # its minimum is the datamodule's rule ([CLS], [SEP], one token)
@@ -136,7 +137,7 @@ def validate(cfg: DictConfig) -> None:
         if p is not None and not 0.0 <= p < 1.0:
             raise ConfigError(f"{_name(key)}={OmegaConf.select(cfg, key)} must be in [0, 1), e.g. 0.1.")
     _choice(m.activation, tuple(ACTIVATIONS), "model.activation")
-    _ok(check_model, m.encoder, m.pooling, m.attention, m.pos)
+    _ok(check_model, m.encoder, m.pooling, m.attention, m.pos, head_dim)
     options = OmegaConf.to_container(m.get("attention_options") or {}, resolve=True)
     _ok(check_attention, m.attention, m.pos, options, model_max_len + (m.pooling == "cls"))
     _ok(check_blocking, m.get("block_min_scores"), m.get("query_block", QUERY_BLOCK), "model.")  # CPU query blocks

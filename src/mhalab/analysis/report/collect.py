@@ -31,7 +31,7 @@ from typing import Any
 import pandas as pd
 
 from mhalab.analysis.report.stats import DEFAULT_METRIC, higher_is_better
-from mhalab.analysis.report.values import natural_key, parse_value, to_float
+from mhalab.analysis.report.values import finite, natural_key, parse_value, to_float
 from mhalab.errors import RunDirError
 from mhalab.train import record
 from mhalab.train.config import CONF_DIR
@@ -246,7 +246,9 @@ def load_member(member_dir: Path, root: Path, metric: str = DEFAULT_METRIC) -> d
     row["batch_size"] = to_float(_cfg_get(cfg, "batch_size"))
     row["max_epochs"] = to_float(_cfg_get(cfg, "max_epochs"))
     row["max_len"] = to_float(_cfg_get(cfg, "max_len"))
-    row["head_dim"] = row["dim"] / row["heads"] if row["heads"] and row["heads"] > 0 else math.nan
+    head_dim = to_float(_cfg_get(cfg, "head_dim"))  # model.head_dim; null: dim / heads
+    row["head_dim"] = head_dim if finite(head_dim) else (row["dim"] / row["heads"] if row["heads"] and row["heads"] > 0
+                                                         else math.nan)
     row["ff_ratio"] = row["ff_dim"] / row["dim"] if row["dim"] and row["dim"] > 0 else math.nan
     data_cfg = cfg.get("data") if isinstance(cfg.get("data"), dict) else {}
     row["dataset"] = data_cfg.get("name")
