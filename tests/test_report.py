@@ -17,9 +17,9 @@ import pytest
 from omegaconf import OmegaConf
 
 from mhalab.analysis.report import (
+    CONTRADICTED,
     INCONCLUSIVE,
     NOT_COVERED,
-    NOT_SUPPORTED,
     SUPPORTED,
     NoMembersError,
     collect_results,
@@ -297,10 +297,10 @@ def _verdict(df: pd.DataFrame, key: str, metric: str = "val/acc"):
 
 
 SCENARIOS = {
-    # name: (claimed values, alternative values, verdict, effect)
+    # name: (claimed values, alternative values, verdict, effect); seed i of both groups shares its luck
     "clearly_supported": ([0.85, 0.86, 0.84], [0.80, 0.81, 0.79], SUPPORTED, 0.05),
-    "clearly_not_supported": ([0.80, 0.81, 0.79], [0.85, 0.86, 0.84], NOT_SUPPORTED, -0.05),
-    "within_noise": ([0.85, 0.80, 0.90], [0.84, 0.79, 0.89], INCONCLUSIVE, 0.01),
+    "clearly_contradicted": ([0.80, 0.81, 0.79], [0.85, 0.86, 0.84], CONTRADICTED, -0.05),
+    "within_noise": ([0.85, 0.80, 0.90], [0.84, 0.81, 0.87], INCONCLUSIVE, 0.01),
     "single_seed": ([0.90], [0.80], INCONCLUSIVE, 0.10),
 }
 
@@ -312,42 +312,25 @@ def test_verdicts_known_answers(claim: str, scenario: str) -> None:
     c_vals, a_vals, expected, effect = SCENARIOS[scenario]
     v = _verdict(_table([(claimed_cfg, c_vals), (alt_cfg, a_vals)]), claim)
     assert v.covered
-    assert v.verdict == expected
-    assert v.effect == pytest.approx(effect)
+    assert v.verdict == expected, v.reason
+    assert v.headline.effect == pytest.approx(effect)
     if scenario == "single_seed":
-        assert "fewer than 2 seeds" in v.reason
-        assert math.isnan(v.threshold)
+        assert "fewer than 2 seeds" in v.reason and v.headline.test == "none"
     else:
-        se = math.sqrt(np.var(c_vals, ddof=1) / len(c_vals) + np.var(a_vals, ddof=1) / len(a_vals))
-        assert v.se == pytest.approx(se)
-        assert v.threshold == pytest.approx(2 * se)
-        assert v.spread == pytest.approx(math.sqrt((np.var(c_vals, ddof=1) + np.var(a_vals, ddof=1)) / 2))
-        assert v.claimed.n == 3 and v.alternative.n == 3
+        assert v.headline.test == "paired" and v.claimed.n == 3 and v.headline.alternative.n == 3
+        assert v.headline.ci_low - 1e-12 <= effect <= v.headline.ci_high + 1e-12
 
 
-def test_verdict_threshold_numbers() -> None:
-    # effect 0.05, SE = sqrt(2 * 0.01**2 / 3) = 0.008165, threshold 0.01633
-    v = _verdict(_table([({"heads": 8}, [0.85, 0.86, 0.84]), ({"heads": 4}, [0.80, 0.81, 0.79])]), "heads_8_or_16")
-    assert v.se == pytest.approx(0.0081650, rel=1e-4)
-    assert v.threshold == pytest.approx(0.0163299, rel=1e-4)
-    assert v.spread == pytest.approx(0.01)
-    # an effect just under 2 SE is inconclusive, just over is supported
-    v = _verdict(_table([({"heads": 8}, [0.815, 0.825, 0.805]), ({"heads": 4}, [0.80, 0.81, 0.79])]),
-                 "heads_8_or_16")
-    assert v.effect == pytest.approx(0.015) and v.verdict == INCONCLUSIVE
-    v = _verdict(_table([({"heads": 8}, [0.818, 0.828, 0.808]), ({"heads": 4}, [0.80, 0.81, 0.79])]),
-                 "heads_8_or_16")
-    assert v.effect == pytest.approx(0.018) and v.verdict == SUPPORTED
-
-
-def test_verdict_compares_against_best_alternative_and_pools_8_16() -> None:
+def test_verdict_compares_with_each_alternative_and_pools_8_16() -> None:
     df = _table([({"heads": 1}, [0.70, 0.71, 0.72]), ({"heads": 4}, [0.84, 0.85, 0.86]),
                  ({"heads": 8}, [0.80, 0.81, 0.82]), ({"heads": 16}, [0.82, 0.83, 0.84])])
     v = _verdict(df, "heads_8_or_16")
-    assert v.claimed.n == 6 and v.claimed.mean == pytest.approx(0.82)
-    assert v.alternative.label == "heads=4"
-    assert v.effect == pytest.approx(0.82 - 0.85)
-    assert {g.label for g in v.others} == {"heads=1", "heads=4"}
+    assert v.claimed.n == 6 and v.claimed.n_seeds == 3 and v.claimed.mean == pytest.approx(0.82)
+    assert [c.alternative.label for c in v.comparisons] == ["heads=1", "heads=4"]
+    assert v.headline.alternative.label == "heads=4"
+    assert v.headline.effect == pytest.approx(0.82 - 0.85)
+    assert v.verdict == CONTRADICTED and v.reason == "worse than heads=4"
+    assert [c.outcome for c in v.comparisons] == ["claimed better", "claimed worse"]
 
 
 def test_verdict_ignores_unfinished_members() -> None:
@@ -355,26 +338,36 @@ def test_verdict_ignores_unfinished_members() -> None:
     df = _table([({"dropout": 0.1}, [0.80, 0.81, 0.79, 0.99]), ({"dropout": 0.3}, [0.85, 0.86, 0.84, 0.99])],
                 statuses={3: "failed", 7: "running"})
     v = _verdict(df, "dropout_0.1")
-    assert v.claimed.n == 3 and v.alternative.n == 3
-    assert v.effect == pytest.approx(-0.05)
-    assert v.verdict == NOT_SUPPORTED
+    assert v.claimed.n == 3 and v.headline.alternative.n == 3
+    assert v.headline.effect == pytest.approx(-0.05)
+    assert v.verdict == CONTRADICTED
 
 
 def test_verdict_for_loss_metric_flips_sign() -> None:
     df = _table([({"dropout": 0.1}, [0.30, 0.31, 0.29]), ({"dropout": 0.0}, [0.40, 0.41, 0.39])])
     v = _verdict(df, "dropout_0.1", metric="val/loss")
-    assert v.effect == pytest.approx(0.10)  # lower loss for the claimed group = better
+    assert v.headline.effect == pytest.approx(0.10)  # lower loss for the claimed group = better
     assert v.verdict == SUPPORTED
 
 
-def test_wider_compares_widest_with_best_narrower() -> None:
+def test_wider_compares_widest_with_each_narrower() -> None:
     df = _table([({"dim": 128}, [0.70, 0.71, 0.72]), ({"dim": 256}, [0.80, 0.81, 0.82]),
                  ({"dim": 512, "ff_dim": 2048}, [0.80, 0.82, 0.81])])
     v = _verdict(df, "wider_dim")
     assert v.claimed.label == "widest dim=512"
-    assert v.alternative.label == "dim=256"
-    assert v.effect == pytest.approx(0.0)
-    assert v.verdict == INCONCLUSIVE
+    assert v.headline.alternative.label == "dim=256"
+    assert v.headline.effect == pytest.approx(0.0)
+    assert v.verdict == INCONCLUSIVE  # 0 +- a 4-point interval (3 seeds) crosses the 1-point margin
+
+
+def test_head_dim_claim_reads_model_head_dim_at_fixed_dim_and_heads() -> None:
+    # heads x model.head_dim at dim 128: head_dim is a column of its own, not dim / heads
+    df = _table([({"heads": h, "head_dim": d}, [0.80 + (d >= 64) * 0.05 + 0.01 * s for s in range(3)])
+                 for h in (2, 8) for d in (16, 32, 64)])
+    v = _verdict(df, "head_dim_min_64")
+    assert [c.alternative.label for c in v.comparisons] == ["head_dim=16", "head_dim=32"]
+    assert v.claimed.n == 6 and v.verdict == SUPPORTED
+    assert v.also_varies == ["heads"]  # averaged over: both levels of heads at every head_dim
 
 
 def test_coverage_rules() -> None:
@@ -402,15 +395,20 @@ def test_coverage_rules() -> None:
 def test_verdicts_end_to_end(reported: tuple[Path, dict]) -> None:
     res = reported[1]
     by = {v["key"]: v for v in res["verdicts"]}
-    assert res["verdict_by_claim"] == {"head_dim_min_64": NOT_SUPPORTED, "heads_8_or_16": SUPPORTED,
+    assert res["verdict_by_claim"] == {"head_dim_min_64": CONTRADICTED, "heads_8_or_16": SUPPORTED,
                                        "ff_4x": NOT_COVERED, "dropout_0.1": NOT_COVERED,
                                        "wider_dim": NOT_COVERED}
     assert by["heads_8_or_16"]["effect"] == pytest.approx(0.09)
     assert by["head_dim_min_64"]["effect"] == pytest.approx(-0.09)
+    # paired differences 0.10, 0.09, 0.08: mean 0.09, SE 0.01 / sqrt(3), t(2) interval
+    half = 4.302652729749464 * 0.01 / math.sqrt(3)
+    assert by["heads_8_or_16"]["ci"] == pytest.approx([0.09 - half, 0.09 + half])
     md = res["report_md"].read_text()
-    assert "| 8 or 16 heads | **supported** | heads in {8,16}: 81.00 ± 1.00 (n=3, seeds=3) | " \
-           "heads=2: 72.00 ± 2.00 (n=3, seeds=3) | +9.00 | 2.58 |" in md
-    assert "effect > 2·SE" in md  # the rule is stated
+    assert ("| 8 or 16 heads | **supported** | heads in {8,16}: 81.00 ± 1.00 (seeds=3) | heads=2: 72.00 ± 2.00 "
+            f"(seeds=3) | +9.00 [{100 * (0.09 - half):+.2f}, {100 * (0.09 + half):+.2f}] | paired | better 0.002 |") in md
+    assert "paired t-test" in md and "Holm" in md and "TOST" in md  # the rule is stated
+    saved = json.loads(res["verdicts_json"].read_text())
+    assert saved["margin"] == 0.01 and [v["verdict"] for v in saved["verdicts"]] == list(res["verdict_by_claim"].values())
 
 
 # --------------------------------------------------------------------------------------------------

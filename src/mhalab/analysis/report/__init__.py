@@ -6,7 +6,9 @@ writes into the multirun directory:
 * ``results.csv`` -- one row per member (member dir, overrides, setting = overrides minus ``seed``,
   seed, params, best val acc, test acc, epochs, wall time, tokens/s, status, error, then extras).
 * ``report.md`` -- scale measured, per-setting mean +- std over seeds, best setting, verdicts on the
-  article's claims, failed members with reasons, links to the plots.
+  article's claims (effect, 95% CI, test and p of each comparison), failed members with reasons, links to
+  the plots.
+* ``verdicts.json`` -- the verdicts with every comparison's numbers (mhalab.analysis.claims reads them).
 * ``val_loss_curves.png``, ``acc_vs_swept.png``, ``acc_vs_wall_time.png``.
 
 The rules live with the code that applies them: which directories are members and what a setting is
@@ -15,7 +17,9 @@ The rules live with the code that applies them: which directories are members an
 
 from __future__ import annotations
 
+import json
 import logging
+import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,11 +39,14 @@ from mhalab.analysis.report.plots import (
 )
 from mhalab.analysis.report.render import REPORT_MD, RESULTS_CSV, render_markdown
 from mhalab.analysis.report.stats import (
+    CONTRADICTED,
     DEFAULT_METRIC,
     INCONCLUSIVE,
+    NO_DIFFERENCE,
     NOT_COVERED,
-    NOT_SUPPORTED,
     SUPPORTED,
+    margin_units,
+    points_scale,
     summarize_settings,
     valid_mask,
 )
@@ -48,7 +55,10 @@ from mhalab.errors import ConfigError, one_line_errors
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DEFAULT_METRIC", "INCONCLUSIVE", "NOT_COVERED", "NOT_SUPPORTED", "SUPPORTED", "NoMembersError",
+VERDICTS_JSON = "verdicts.json"
+
+__all__ = ["CONTRADICTED", "DEFAULT_METRIC", "INCONCLUSIVE", "NOT_COVERED", "NO_DIFFERENCE", "SUPPORTED",
+           "NoMembersError",
            "collect_results", "compute_verdicts", "main", "setting_of", "summarize_settings",
            "training_val_rows", "write_report"]
 
@@ -66,8 +76,21 @@ def _for_csv(df: pd.DataFrame) -> pd.DataFrame:
     return df
 
 
-def write_report(multirun_dir: str | Path, metric: str = DEFAULT_METRIC) -> dict:
-    """Write results.csv, report.md and the plots into multirun_dir; return paths and verdicts.
+def _json_safe(o):
+    """NaN -> null (JSON has no NaN), numpy numbers -> Python's."""
+    if isinstance(o, dict):
+        return {str(k): _json_safe(v) for k, v in o.items()}
+    if isinstance(o, (list, tuple)):
+        return [_json_safe(v) for v in o]
+    if hasattr(o, "item"):  # a numpy scalar
+        o = o.item()
+    return None if isinstance(o, float) and not math.isfinite(o) else o
+
+
+def write_report(multirun_dir: str | Path, metric: str = DEFAULT_METRIC, margin: float | None = None) -> dict:
+    """Write results.csv, report.md, verdicts.json and the plots into multirun_dir; return paths and verdicts.
+    margin: the smallest difference that matters, in points for an accuracy-like metric (else metric units;
+    None: 1 point, or 0.01 of another metric).
 
     Raises NoMembersError when no metrics.json is found, ConfigError (a ValueError) for a test metric.
     """
@@ -77,7 +100,10 @@ def write_report(multirun_dir: str | Path, metric: str = DEFAULT_METRIC) -> dict
     root = Path(multirun_dir).resolve()
     df = collect_results(root, metric)
     summary = summarize_settings(df, metric)
-    verdicts = compute_verdicts(df, metric)
+    if margin is not None and not margin > 0:
+        raise ConfigError(f"margin={margin} must be > 0: the smallest difference that matters (default 1 point of "
+                          "an accuracy, 0.01 of a loss)")
+    verdicts = compute_verdicts(df, metric, margin)
 
     results_csv = root / RESULTS_CSV
     _for_csv(df[RESULT_COLUMNS]).to_csv(results_csv, index=False)
@@ -94,7 +120,10 @@ def write_report(multirun_dir: str | Path, metric: str = DEFAULT_METRIC) -> dict
             log.exception("plot %s failed", fname)
 
     report_md = root / REPORT_MD
-    report_md.write_text(render_markdown(df, summary, verdicts, metric, root, plots))
+    report_md.write_text(render_markdown(df, summary, verdicts, metric, root, plots, margin_units(metric, margin)))
+    verdicts_json = root / VERDICTS_JSON
+    verdicts_json.write_text(json.dumps(_json_safe({"metric": metric, "margin": margin_units(metric, margin),
+                                                    "verdicts": [v.to_dict() for v in verdicts]}), indent=1) + "\n")
 
     ranked = summary[summary["n"] > 0] if not summary.empty else summary
     best = None
@@ -108,6 +137,7 @@ def write_report(multirun_dir: str | Path, metric: str = DEFAULT_METRIC) -> dict
         "metric": metric,
         "results_csv": results_csv,
         "report_md": report_md,
+        "verdicts_json": verdicts_json,
         "plots": plots,
         "n_members": len(df),
         "n_finished": int(ok.sum()),
@@ -126,24 +156,33 @@ class ReportOptions:
 
     metric: str = field(default=DEFAULT_METRIC, metadata=doc("the validation metric that ranks settings and "
                                                              "decides verdicts (never a test metric)"))
+    margin: float | None = field(default=None, metadata=doc("the smallest difference that matters, for the equivalence "
+                                                            "test: points of an accuracy (null: 1), or loss units "
+                                                            "(null: 0.01)"))
 
 
-USAGE = __doc__.splitlines()[0] + "\n\n    mhalab-report <sweep dir> [metric=val/acc]"
+USAGE = __doc__.splitlines()[0] + "\n\n    mhalab-report <sweep dir> [metric=val/acc] [margin=1]"
 
 
 @one_line_errors
 def main(argv: list[str] | None = None) -> int:
     """mhalab-report: write the report of a sweep dir; `error: ...` and exit 2 for a missing or empty dir."""
-    sweep_dir, words = split_dir(sys.argv[1:] if argv is None else argv, "mhalab-report <sweep dir> [metric=val/acc]")
+    sweep_dir, words = split_dir(sys.argv[1:] if argv is None else argv,
+                                 "mhalab-report <sweep dir> [metric=val/acc] [margin=1]")
     opts = parse(ReportOptions, words, "mhalab-report", USAGE)
-    res = write_report(sweep_dir, metric=opts.metric)
+    res = write_report(sweep_dir, metric=opts.metric, margin=opts.margin)
     print(f"members: {res['n_members']} ({res['n_finished']} finished, {len(res['failed'])} failed or incomplete)")
     best = res["best_setting"]
     if best:
         print(f"best by {res['metric']}: {best['setting']} (mean {best['mean']:.4f} over {best['n']} seed(s))")
+    scale, unit = points_scale(res["metric"])
     for v in res["verdicts"]:
-        print(f"  {v['claim']}: {v['verdict']}")
+        ci = v["ci"]
+        effect = (f" ({v['effect'] * scale:+.2f}{unit} vs {v['headline']}, 95% CI {ci[0] * scale:+.2f} to "
+                  f"{ci[1] * scale:+.2f})" if ci and all(map(math.isfinite, ci)) else "")
+        print(f"  {v['claim']}: {v['verdict']}{effect}")
     print(f"wrote {res['results_csv']}")
+    print(f"wrote {res['verdicts_json']}")
     print(f"wrote {res['report_md']}")
     for path in res["plots"].values():
         print(f"wrote {path}")

@@ -9,20 +9,22 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from mhalab.analysis.report.stats import MIN_SEEDS, SIGMA, GroupStats, higher_is_better, valid_mask
+from mhalab.analysis.report.stats import (
+    ALPHA,
+    MIN_SEEDS,
+    Comparison,
+    GroupStats,
+    claim_verdict,
+    fmt_p,
+    higher_is_better,
+    points_scale,
+    valid_mask,
+)
 from mhalab.analysis.report.values import finite, fmt_num
 from mhalab.analysis.report.verdicts import Verdict
 
 RESULTS_CSV = "results.csv"
 REPORT_MD = "report.md"
-
-
-def _points_scale(metric: str) -> tuple[float, str]:
-    """Accuracy-like metrics are shown in points (x100)."""
-    m = metric.lower()
-    if any(word in m for word in ("acc", "f1", "precision", "recall", "auc")):
-        return 100.0, " pts"
-    return 1.0, ""
 
 
 def _md(text: Any) -> str:
@@ -74,9 +76,27 @@ def _scale_lines(df: pd.DataFrame) -> list[str]:
     return lines
 
 
+def _ci(c: Comparison, scale: float, digits: int) -> str:
+    if not finite(c.ci_low):
+        return "[–]"
+    return f"[{c.ci_low * scale:+.{digits}f}, {c.ci_high * scale:+.{digits}f}]"
+
+
+def _p_cell(c: Comparison | None) -> str:
+    """The p-value that decided the comparison (Holm-corrected): equivalence, better, or worse."""
+    if c is None or c.test == "none":
+        return "–"
+    if c.outcome == "equivalent":
+        return f"equiv. {fmt_p(c.p_equivalent_holm)}"
+    if c.effect < 0:
+        return f"worse {fmt_p(c.p_worse_holm)}"
+    return f"better {fmt_p(c.p_better_holm)}"
+
+
 def render_markdown(df: pd.DataFrame, summary: pd.DataFrame, verdicts: list[Verdict], metric: str,
-                    multirun_dir: Path, plots: dict[str, Path]) -> str:
-    scale, unit = _points_scale(metric)
+                    multirun_dir: Path, plots: dict[str, Path], margin: float) -> str:
+    """margin: in metric units (Verdict.margin)."""
+    scale, unit = points_scale(metric)
     digits = 2 if scale == 100 else 4
     ok = valid_mask(df)
     n_fail = int((~ok).sum())
@@ -117,53 +137,55 @@ def render_markdown(df: pd.DataFrame, summary: pd.DataFrame, verdicts: list[Verd
         if len(ranked) > 1:
             r2 = ranked.iloc[1]
             gap = abs(b["monitored_mean"] - r2["monitored_mean"]) * scale
-            if b["n"] >= 2 and r2["n"] >= 2:
-                se = math.sqrt(b["monitored_std"] ** 2 / b["n"] + r2["monitored_std"] ** 2 / r2["n"]) * scale
-                clear = "clear" if gap > SIGMA * se else "within seed noise"
-                L.append(f"Runner-up **{_md(r2['setting'])}** is {gap:.{digits}f}{unit} behind "
-                         f"({SIGMA:g}·SE = {SIGMA * se:.{digits}f}{unit}: {clear}).")
+            line = f"Runner-up **{_md(r2['setting'])}** is {gap:.{digits}f}{unit} behind"
+            best_g, second_g = (GroupStats.of(str(x["setting"]), df[ok & (df["setting"] == x["setting"])])
+                                for x in (b, r2))
+            _, _, (comp,) = claim_verdict(best_g, [second_g], 1.0 if higher_is_better(metric) else -1.0, margin)
+            if comp.test == "none":
+                line += " (fewer than 2 seeds: noise not measurable)."
             else:
-                L.append(f"Runner-up **{_md(r2['setting'])}** is {gap:.{digits}f}{unit} behind "
-                         "(fewer than 2 seeds: noise not measurable).")
+                line += (f" (95% CI of the gap {_ci(comp, scale, digits)}{unit}, {comp.test}, one-sided p = "
+                         f"{fmt_p(comp.p_better)}).")
+            L.append(line)
         if b["n"] < 2:
             L.append("Single seed: the ranking is not protected against seed noise.")
         L.append("")
 
     L += ["## Verdicts on the article's claims", ""]
-    L += [(f"Rule: per claim, the finished members are split into the claimed group and one group per "
-          f"alternative; each member contributes its best `{metric}`. effect = mean(claimed) − mean(best "
-          f"alternative) (> 0 = claimed better), SE = √(s_c²/n_c + s_a²/n_a) with s the std over the group's "
-          f"values. **supported** if effect > {SIGMA:g}·SE, **not supported** if effect < −{SIGMA:g}·SE, "
-          f"**inconclusive** otherwise or when a compared group has fewer than {MIN_SEEDS} seeds. "
-          "Other swept variables are pooled (marginal means); 'also varies' flags confounds. "
-          "'wider' compares the widest dim against the best narrower dim; 'head_dim' pools head_dim ≥ 64 "
-          "against head_dim < 64. Seed spread = pooled within-group std."), ""]
-    vh = ["claim", "verdict", "claimed group", "best alternative", f"effect{unit}", f"{SIGMA:g}·SE{unit}",
-          f"seed spread{unit}", "also varies", "why"]
+    L += [(f"Rule (mhalab.analysis.report.stats): each group is one value per seed, the mean `{metric}` of its "
+          "members at that seed; the claimed group is compared with each alternative by a paired t-test on the "
+          f"per-seed differences when they share seeds (else Welch's), at one-sided level {ALPHA:g} for "
+          f"better / worse and by TOST for equivalence within ±{margin * scale:g}{unit} (the margin), each "
+          "Holm-corrected across the claim's alternatives. **supported**: better than every alternative; "
+          "**contradicted**: worse than one; **no practical difference**: better than or within the margin of each; "
+          f"**inconclusive**: an interval crosses the margin (or fewer than {MIN_SEEDS} seeds). Effect = claimed − "
+          "alternative (> 0: claimed better) with its two-sided 95% CI. Other swept variables are averaged over "
+          "(marginal means; 'also varies' flags confounds); a swept lr is tuned per group (its best on "
+          "validation)."), ""]
+    vh = ["claim", "verdict", "claimed group", "closest alternative", f"effect{unit} [95% CI]", "test",
+          "p (Holm)", "also varies", "why"]
     L += ["| " + " | ".join(vh) + " |", "|" + "---|" * len(vh)]
 
-    def grp(g: GroupStats | None) -> str:
+    def grp(g: GroupStats | None, v: Verdict) -> str:
         if g is None:
             return "–"
-        return f"{_md(g.label)}: {_pm(g.mean, g.std, scale, digits)} (n={g.n}, seeds={g.n_seeds})"
-
-    def num(x: float) -> str:
-        return f"{x * scale:+.{digits}f}" if finite(x) else "–"
+        at = f" at {v.tuned[g.label]}" if g.label in v.tuned else ""
+        return f"{_md(g.label)}{at}: {_pm(g.mean, g.std, scale, digits)} (seeds={g.n_seeds})"
 
     for v in verdicts:
+        h = v.headline
         L.append("| " + " | ".join([
-            v.claim, f"**{v.verdict}**", grp(v.claimed), grp(v.alternative), num(v.effect),
-            f"{v.threshold * scale:.{digits}f}" if finite(v.threshold) else "–",
-            f"{v.spread * scale:.{digits}f}" if finite(v.spread) else "–",
-            ", ".join(v.also_varies) or "–", _md(v.reason)]) + " |")
+            v.claim, f"**{v.verdict}**", grp(v.claimed, v), grp(h.alternative if h else None, v),
+            f"{h.effect * scale:+.{digits}f} {_ci(h, scale, digits)}" if h and finite(h.effect) else "–",
+            h.test if h else "–", _p_cell(h), ", ".join(v.also_varies) or "–", _md(v.reason)]) + " |")
     L.append("")
-    others = [v for v in verdicts if v.covered and len(v.others) > 1]
-    if others:
-        L.append("All groups per covered claim (mean over members):")
-        L.append("")
-        for v in others:
-            parts = [f"{g.label}: {_pm(g.mean, g.std, scale, digits)} (n={g.n})" for g in v.others]
-            L.append(f"- {v.claim}: claimed {grp(v.claimed)}; alternatives " + "; ".join(parts))
+    many = [v for v in verdicts if v.covered and len(v.comparisons) > 1]
+    if many:
+        L += ["Every comparison per claim:", ""]
+        for v in many:
+            parts = [f"{grp(c.alternative, v)}: {c.outcome}, {c.effect * scale:+.{digits}f} {_ci(c, scale, digits)}, "
+                     f"{_p_cell(c)}" for c in v.comparisons]
+            L.append(f"- {v.claim}, claimed {grp(v.claimed, v)}; " + "; ".join(parts))
         L.append("")
 
     L += ["## Failed members", ""]

@@ -1,4 +1,4 @@
-"""Statistics over seeds: which members count, the per-setting summary, and the rule that compares two groups.
+"""Statistics over seeds: which members count, the per-setting summary, and the tests that compare groups.
 
 Selection rule
 --------------
@@ -7,23 +7,40 @@ in ``metrics.json``: the best validation value over epochs). The monitored metri
 metric (ConfigError, a ValueError): the test columns are reported, never used to choose. Only members
 with ``status == "finished"`` and a finite monitored value enter any statistic.
 
-Verdict rule (the same for every claim; the claims and their groups: verdicts.py)
----------------------------------------------------------------------------------
-For a claim the sweep covers, the finished members are split into the *claimed* group and one group
-per *alternative*; each member contributes its own monitored value (one value per seed and setting;
-other swept variables are pooled, i.e. these are marginal means).
+Comparing a claimed group with one alternative (``compare``)
+------------------------------------------------------------
+Each group is reduced to one value per seed: the mean of its members' monitored values at that seed
+(a group may pool several settings, e.g. heads 8 and 16; other swept variables are averaged over, so
+these are marginal means). ``effect = mean(claimed) - mean(alternative)``, signed so that > 0 means the
+claimed group is better (flipped for a loss), in the metric's units.
 
-* ``best alternative`` = the alternative group with the best mean (max for accuracy-like metrics,
-  min for losses) -- selecting the best of several alternatives makes the test conservative for the
-  claim.
-* ``effect = mean(claimed) - mean(best alternative)``, signed so that > 0 means the claimed group is
-  better (for a loss metric the sign is flipped). Reported in points (x100) for accuracy-like metrics.
-* ``SE = sqrt(s_c^2/n_c + s_a^2/n_a)`` with ``s`` the std over the group's values (ddof=1) and ``n``
-  their count: the standard error of the difference of the two means. ``threshold = 2 * SE``.
-* **supported** when ``effect > threshold``; **not supported** when ``effect < -threshold``;
-  **inconclusive** otherwise (the difference is within seed noise), and always inconclusive when
-  either compared group has fewer than 2 distinct seeds (the noise cannot be measured) or is empty.
-* ``seed spread`` reported alongside = the pooled within-group std of the two groups.
+* **paired** (a t-test on the per-seed differences, n - 1 degrees of freedom) when the two groups share
+  at least 2 seeds (a seed in one group only is left out): the runs of one seed share the data order
+  and, where the shapes allow, the initial draws, so the seed's luck cancels in the difference;
+* **Welch** (unequal variances, Welch-Satterthwaite degrees of freedom) when they do not (other seeds);
+* fewer than 2 seeds in either group: no test (the noise cannot be measured).
+
+From the t statistic: the effect's two-sided 95% confidence interval; ``p_better`` (one-sided, H0:
+effect <= 0), ``p_worse`` (one-sided, H0: effect >= 0), and the equivalence test ``p_equivalent``
+(TOST: the larger of the two one-sided p-values against -margin and +margin; equivalence at level
+alpha is the 90% interval lying inside +-margin). The margin is the smallest difference that matters,
+settable: by default 1 point of an accuracy-like metric (0.01), or 0.01 of another metric (a loss).
+
+A claim (``claim_verdict``)
+---------------------------
+A claim compares its group with each alternative (e.g. "8 or 16 heads" against heads 1, 2, 4). Each of
+the three p-values is Holm-corrected across the claim's alternatives, and each comparison is read at
+``ALPHA`` = 0.05: **equivalent** if the corrected p_equivalent < alpha (precedence: a difference smaller
+than the margin does not matter, even when it is significant), else **claimed better** / **claimed
+worse** if the corrected p_better / p_worse < alpha, else **unclear**. The claim is then
+
+* **contradicted** if some alternative is better than the claimed group;
+* **supported** if the claimed group is better than every alternative;
+* **no practical difference** if it is better than or equivalent to each, and equivalent to one at least;
+* **inconclusive** otherwise: some interval crosses the margin (more seeds would settle it).
+
+Each verdict's false-positive rate is at most alpha (the one-sided tests, Holm across alternatives).
+Power: ``tests/test_verdict_statistics.py`` simulates tables with known effects.
 """
 
 from __future__ import annotations
@@ -34,22 +51,46 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
+from scipy import stats
 
 from mhalab.analysis.report.values import natural_key
 
 DEFAULT_METRIC = "val/acc"  # the monitored metric unless told otherwise
-SIGMA = 2.0  # verdict threshold = SIGMA * standard error of the difference of group means
-MIN_SEEDS = 2  # fewer distinct seeds in a compared group -> inconclusive
+ALPHA = 0.05  # level of each one-sided test and of the equivalence test
+DEFAULT_MARGIN = 1.0  # the smallest difference that matters, in points of an accuracy-like metric (0.01)
+DEFAULT_MARGIN_OTHER = 0.01  # ... and in units of another metric (a loss)
+MIN_SEEDS = 2  # fewer distinct seeds in a compared group -> no test
 
 SUPPORTED = "supported"
-NOT_SUPPORTED = "not supported"
+CONTRADICTED = "contradicted"
+NO_DIFFERENCE = "no practical difference"
 INCONCLUSIVE = "inconclusive"
 NOT_COVERED = "not covered"
+
+# one comparison's outcome
+BETTER, WORSE, EQUIVALENT, UNCLEAR = "claimed better", "claimed worse", "equivalent", "unclear"
 
 
 def higher_is_better(metric: str) -> bool:
     m = metric.lower()
     return not any(word in m for word in ("loss", "err", "perplexity", "ppl", "nll"))
+
+
+def points_scale(metric: str) -> tuple[float, str]:
+    """Accuracy-like metrics are shown (and their margin given) in points (x100)."""
+    m = metric.lower()
+    if any(word in m for word in ("acc", "f1", "precision", "recall", "auc")):
+        return 100.0, " pts"
+    return 1.0, ""
+
+
+def margin_units(metric: str, margin: float | None = None) -> float:
+    """The margin in the metric's units: `margin` is in points for an accuracy-like metric (points_scale), in
+    metric units otherwise; None: the default for the metric."""
+    scale = points_scale(metric)[0]
+    if margin is None:
+        return DEFAULT_MARGIN / scale if scale != 1.0 else DEFAULT_MARGIN_OTHER
+    return margin / scale
 
 
 def valid_mask(df: pd.DataFrame) -> pd.Series:
@@ -100,59 +141,121 @@ def summarize_settings(df: pd.DataFrame, metric: str = DEFAULT_METRIC) -> pd.Dat
 
 
 # --------------------------------------------------------------------------------------------------
-# two groups compared
+# groups and their comparison
 
 
 @dataclass
 class GroupStats:
     label: str
-    n: int
+    n: int  # members
     n_seeds: int
-    mean: float
-    std: float
+    mean: float  # over the per-seed means
+    std: float  # of the per-seed means (ddof=1)
+    per_seed: pd.Series  # seed -> mean of the group's members at that seed
 
     @classmethod
     def of(cls, label: str, sub: pd.DataFrame) -> GroupStats:
-        vals = pd.to_numeric(sub["monitored"], errors="coerce").dropna().to_numpy(dtype=float)
-        return cls(
-            label=label,
-            n=len(vals),
-            n_seeds=int(sub["seed"].dropna().nunique()) if len(sub) else 0,
-            mean=float(vals.mean()) if len(vals) else math.nan,
-            std=float(vals.std(ddof=1)) if len(vals) >= 2 else math.nan,
-        )
+        vals = pd.to_numeric(sub["monitored"], errors="coerce")
+        per_seed = vals.groupby(sub["seed"]).mean().dropna() if len(sub) else pd.Series(dtype=float)
+        return cls(label=label, n=int(vals.notna().sum()), n_seeds=len(per_seed),
+                   mean=float(per_seed.mean()) if len(per_seed) else math.nan,
+                   std=float(per_seed.std(ddof=1)) if len(per_seed) >= 2 else math.nan, per_seed=per_seed)
 
 
-def compare_groups(claimed: pd.DataFrame, alternatives: dict[str, pd.DataFrame], metric: str,
-                   claimed_label: str) -> dict:
-    """The verdict rule of the module docstring, on members already restricted to valid ones."""
-    sign = 1.0 if higher_is_better(metric) else -1.0
-    c = GroupStats.of(claimed_label, claimed)
-    alts = [GroupStats.of(label, sub) for label, sub in alternatives.items()]
-    out: dict[str, Any] = {"claimed": c, "others": alts}
-    with_data = [a for a in alts if a.n > 0]
-    if c.n == 0 or not with_data:
-        missing = claimed_label if c.n == 0 else "every alternative"
-        out.update(verdict=INCONCLUSIVE, reason=f"no finished runs for {missing}")
+@dataclass
+class Comparison:
+    """The claimed group against one alternative; effect and interval in metric units, > 0 = claimed better."""
+
+    alternative: GroupStats
+    test: str = "none"  # paired | welch | none (too few seeds)
+    n: int = 0  # pairs (paired) or the smaller group's seeds (welch)
+    effect: float = math.nan
+    se: float = math.nan
+    df: float = math.nan
+    ci_low: float = math.nan  # two-sided 95%
+    ci_high: float = math.nan
+    p_better: float = math.nan  # raw one-sided p-values and TOST
+    p_worse: float = math.nan
+    p_equivalent: float = math.nan
+    p_better_holm: float = math.nan  # Holm-corrected across the claim's alternatives
+    p_worse_holm: float = math.nan
+    p_equivalent_holm: float = math.nan
+    outcome: str = UNCLEAR
+
+
+def compare(claimed: GroupStats, alternative: GroupStats, sign: float, margin: float) -> Comparison:
+    """The two-group test of the module docstring (raw p-values; claim_verdict corrects them)."""
+    out = Comparison(alternative)
+    c, a = sign * claimed.per_seed, sign * alternative.per_seed
+    if len(c) < MIN_SEEDS or len(a) < MIN_SEEDS:
+        out.effect = float(c.mean() - a.mean()) if len(c) and len(a) else math.nan
         return out
-    a = max(with_data, key=lambda g: sign * g.mean)
-    out["alternative"] = a
-    effect = sign * (c.mean - a.mean)
-    out["effect"] = effect
-    if c.n_seeds < MIN_SEEDS or a.n_seeds < MIN_SEEDS:
-        out.update(verdict=INCONCLUSIVE,
-                   reason=f"fewer than {MIN_SEEDS} seeds in a compared group ({c.label}: {c.n_seeds}, "
-                          f"{a.label}: {a.n_seeds}): seed noise cannot be measured")
-        return out
-    se = math.sqrt(c.std ** 2 / c.n + a.std ** 2 / a.n)
-    pooled = math.sqrt(((c.n - 1) * c.std ** 2 + (a.n - 1) * a.std ** 2) / (c.n + a.n - 2))
-    threshold = SIGMA * se
-    out.update(se=se, threshold=threshold, spread=pooled)
-    if effect > threshold:
-        out.update(verdict=SUPPORTED, reason=f"claimed group beats the best alternative by more than {SIGMA:g} SE")
-    elif effect < -threshold:
-        out.update(verdict=NOT_SUPPORTED,
-                   reason=f"the best alternative beats the claimed group by more than {SIGMA:g} SE")
+    shared = c.index.intersection(a.index)
+    if len(shared) >= MIN_SEEDS:
+        d = c.loc[shared] - a.loc[shared]  # per-seed differences
+        out.test, out.n, out.effect, out.df = "paired", len(d), float(d.mean()), len(d) - 1.0
+        out.se = float(d.std(ddof=1)) / math.sqrt(len(d))
     else:
-        out.update(verdict=INCONCLUSIVE, reason=f"difference within {SIGMA:g} SE (seed noise)")
+        vc, va = c.var(ddof=1) / len(c), a.var(ddof=1) / len(a)
+        out.test, out.n, out.effect = "welch", min(len(c), len(a)), float(c.mean() - a.mean())
+        out.se = math.sqrt(vc + va)
+        denom = vc ** 2 / (len(c) - 1) + va ** 2 / (len(a) - 1)
+        out.df = (vc + va) ** 2 / denom if denom > 0 else len(c) + len(a) - 2.0
+    e, se, df = out.effect, out.se, out.df
+    if se <= 1e-12 * max(1.0, abs(e)):  # no spread (up to rounding): the data leave no doubt either way
+        out.ci_low = out.ci_high = e
+        out.p_better, out.p_worse = float(e <= 0), float(e >= 0)
+        out.p_equivalent = float(abs(e) >= margin)
+        return out
+    half = stats.t.ppf(0.975, df) * se
+    out.ci_low, out.ci_high = e - half, e + half
+    out.p_better = float(stats.t.sf(e / se, df))
+    out.p_worse = float(stats.t.cdf(e / se, df))
+    out.p_equivalent = float(max(stats.t.sf((e + margin) / se, df), stats.t.cdf((e - margin) / se, df)))
     return out
+
+
+def holm(p: list[float]) -> list[float]:
+    """Holm's step-down adjusted p-values (NaN stays NaN and does not count as a test)."""
+    idx = [i for i, x in enumerate(p) if not math.isnan(x)]
+    m, out, running = len(idx), [math.nan] * len(p), 0.0
+    for rank, i in enumerate(sorted(idx, key=lambda i: p[i])):
+        running = max(running, min(1.0, (m - rank) * p[i]))
+        out[i] = running
+    return out
+
+
+def claim_verdict(claimed: GroupStats, alternatives: list[GroupStats], sign: float,
+                  margin: float) -> tuple[str, str, list[Comparison]]:
+    """(verdict, reason, comparisons) for a claim: the rule of the module docstring. margin in metric units."""
+    comps = [compare(claimed, a, sign, margin) for a in alternatives]
+    for key in ("p_better", "p_worse", "p_equivalent"):
+        for comp, p in zip(comps, holm([getattr(x, key) for x in comps])):
+            setattr(comp, f"{key}_holm", p)
+    for comp in comps:
+        if comp.p_equivalent_holm < ALPHA:
+            comp.outcome = EQUIVALENT
+        elif comp.p_better_holm < ALPHA:
+            comp.outcome = BETTER
+        elif comp.p_worse_holm < ALPHA:
+            comp.outcome = WORSE
+    untested = [c.alternative.label for c in comps if c.test == "none"]
+    outcomes = [c.outcome for c in comps]
+    if untested and len(untested) == len(comps):
+        return INCONCLUSIVE, (f"fewer than {MIN_SEEDS} seeds in a compared group ({claimed.label}: "
+                              f"{claimed.n_seeds}; {', '.join(untested)}): seed noise cannot be measured"), comps
+    names = lambda outcome: ", ".join(c.alternative.label for c in comps if c.outcome == outcome)  # noqa: E731
+    if WORSE in outcomes:
+        return CONTRADICTED, f"worse than {names(WORSE)}", comps
+    if all(o == BETTER for o in outcomes):
+        return SUPPORTED, f"better than every alternative ({names(BETTER)})", comps
+    if all(o in (BETTER, EQUIVALENT) for o in outcomes):
+        better = f"; better than {names(BETTER)}" if BETTER in outcomes else ""
+        return NO_DIFFERENCE, f"within the margin of {names(EQUIVALENT)}{better}", comps
+    return INCONCLUSIVE, f"the interval crosses the margin against {names(UNCLEAR)}", comps
+
+
+def fmt_p(p: float) -> str:
+    if not math.isfinite(p):
+        return "–"
+    return "< 0.001" if p < 0.001 else f"{p:.3f}"

@@ -1,31 +1,47 @@
-"""Verdicts on the article's claims, each decided by the verdict rule of stats.py.
+"""Verdicts on the article's claims, each decided by the rule of stats.py (claim_verdict).
 
 Claims and their groups (a claim is *covered* only when its variable varies across the sweep):
 
-* ``head_dim not below 64``: head_dim = dim/heads takes values on both sides of 64;
-  claimed = members with head_dim >= 64, alternative = members with head_dim < 64 (one pooled group).
+* ``head_dim not below 64``: head_dim (model.head_dim, or dim / heads) takes values on both sides of 64;
+  claimed = members with head_dim >= 64 (pooled), alternatives = each head_dim value below 64.
 * ``8 or 16 heads``: heads varies and includes 8 or 16 and some other value;
   claimed = heads in {8, 16} (pooled), alternatives = each other heads value.
 * ``ff_dim = 4 x embed_dim``: the ratio ff_dim/dim varies and includes 4;
   claimed = ratio 4, alternatives = each other ratio.
 * ``dropout 0.1``: dropout varies and includes 0.1; claimed = 0.1, alternatives = each other value.
 * ``wider embed_dim is better``: dim varies; claimed = the widest dim of the sweep, alternatives = each
-  narrower dim (so "supported" means the widest is clearly best, not merely better than the narrowest).
+  narrower dim (so "supported" means the widest is better than each narrower one).
+
+Other swept variables are averaged over within a group (marginal means: a factorial design such as
+heads x head_dim compares each factor at every level of the other); ``also_varies`` names them, a
+confound when the design is not factorial. A swept learning rate (``TUNED``) is not averaged over:
+each group is taken at its own best lr on the monitored metric, as a user tuning each width would.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import numpy as np
 import pandas as pd
 
-from mhalab.analysis.report.stats import DEFAULT_METRIC, NOT_COVERED, GroupStats, compare_groups, valid_mask
+from mhalab.analysis.report.stats import (
+    DEFAULT_METRIC,
+    INCONCLUSIVE,
+    NOT_COVERED,
+    Comparison,
+    GroupStats,
+    claim_verdict,
+    higher_is_better,
+    margin_units,
+    valid_mask,
+)
 from mhalab.analysis.report.values import finite, fmt_num
 
 CLAIM_VARS = ("dim", "heads", "head_dim", "ff_ratio", "dropout")
+TUNED = ("lr",)  # tuned per group (its best value on the monitored metric), never averaged over
 
 
 @dataclass
@@ -37,20 +53,31 @@ class Verdict:
     reason: str
     covered: bool
     claimed: GroupStats | None = None
-    alternative: GroupStats | None = None
-    others: list[GroupStats] = field(default_factory=list)
-    effect: float = math.nan  # claimed minus best alternative, > 0 = claimed better, metric units
-    se: float = math.nan  # standard error of the difference
-    threshold: float = math.nan  # SIGMA * se
-    spread: float = math.nan  # pooled within-group std of the two compared groups
+    comparisons: list[Comparison] = field(default_factory=list)
+    margin: float = math.nan  # metric units
     also_varies: list[str] = field(default_factory=list)
+    tuned: dict[str, str] = field(default_factory=dict)  # group label -> "lr=..." it was taken at
+
+    @property
+    def headline(self) -> Comparison | None:
+        """The comparison with the strongest alternative (best mean): the claim's closest call."""
+        return min(self.comparisons, key=lambda c: c.effect if finite(c.effect) else math.inf, default=None)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        def group(g: GroupStats | None) -> dict | None:
+            if g is None:
+                return None
+            return {"label": g.label, "n": g.n, "n_seeds": g.n_seeds, "mean": g.mean, "std": g.std,
+                    "per_seed": {str(k): float(v) for k, v in g.per_seed.items()}}
 
-
-def _group_label(var: str, value: float) -> str:
-    return f"{var}={fmt_num(value)}"
+        comps = [{**{k: v for k, v in vars(c).items() if k != "alternative"}, "alternative": group(c.alternative)}
+                 for c in self.comparisons]
+        h = self.headline
+        return {"key": self.key, "claim": self.claim, "variable": self.variable, "verdict": self.verdict,
+                "reason": self.reason, "covered": self.covered, "claimed": group(self.claimed),
+                "comparisons": comps, "headline": None if h is None else h.alternative.label,
+                "effect": h.effect if h else math.nan, "ci": [h.ci_low, h.ci_high] if h else None,
+                "margin": self.margin, "also_varies": self.also_varies, "tuned": self.tuned}
 
 
 def _distinct(values: Iterable[float]) -> list[float]:
@@ -63,7 +90,7 @@ def _distinct(values: Iterable[float]) -> list[float]:
 
 def _by_value(valid: pd.DataFrame, var: str, values: list[float]) -> dict[str, pd.DataFrame]:
     col = pd.to_numeric(valid[var], errors="coerce")
-    return {_group_label(var, v): valid[np.isclose(col, v)] for v in values}
+    return {f"{var}={fmt_num(v)}": valid[np.isclose(col, v)] for v in values}
 
 
 def _claim_specs() -> list[dict]:
@@ -71,8 +98,7 @@ def _claim_specs() -> list[dict]:
 
     def head_dim(vals, valid):
         col = pd.to_numeric(valid["head_dim"], errors="coerce")
-        return ("head_dim >= 64", valid[col >= 64],
-                {"head_dim < 64": valid[col < 64]})
+        return "head_dim >= 64", valid[col >= 64], _by_value(valid, "head_dim", [v for v in vals if v < 64])
 
     def heads(vals, valid):
         col = pd.to_numeric(valid["heads"], errors="coerce")
@@ -96,40 +122,61 @@ def _claim_specs() -> list[dict]:
         return (f"widest dim={fmt_num(widest)}", valid[np.isclose(col, widest)],
                 _by_value(valid, "dim", [v for v in vals if v < widest]))
 
-    has = lambda vals, x: any(math.isclose(v, x) for v in vals)
+    has = lambda vals, x: any(math.isclose(v, x) for v in vals)  # noqa: E731
     return [
         {"key": "head_dim_min_64", "claim": "head_dim not below 64", "variable": "head_dim",
-             "covered": lambda v: len(v) > 1 and min(v) < 64 <= max(v),
-             "why": "head_dim = dim/heads does not take values on both sides of 64", "groups": head_dim},
+         "covered": lambda v: len(v) > 1 and min(v) < 64 <= max(v),
+         "why": "head_dim does not take values on both sides of 64", "groups": head_dim},
         {"key": "heads_8_or_16", "claim": "8 or 16 heads", "variable": "heads",
-             "covered": lambda v: len(v) > 1 and (has(v, 8) or has(v, 16))
-             and any(not (math.isclose(x, 8) or math.isclose(x, 16)) for x in v),
-             "why": "heads does not vary over 8 or 16 and another value", "groups": heads},
+         "covered": lambda v: len(v) > 1 and (has(v, 8) or has(v, 16))
+         and any(not (math.isclose(x, 8) or math.isclose(x, 16)) for x in v),
+         "why": "heads does not vary over 8 or 16 and another value", "groups": heads},
         {"key": "ff_4x", "claim": "ff_dim = 4 x embed_dim", "variable": "ff_ratio",
-             "covered": lambda v: len(v) > 1 and has(v, 4),
-             "why": "ff_dim/dim does not vary over 4 and another ratio", "groups": ff},
+         "covered": lambda v: len(v) > 1 and has(v, 4),
+         "why": "ff_dim/dim does not vary over 4 and another ratio", "groups": ff},
         {"key": "dropout_0.1", "claim": "dropout 0.1", "variable": "dropout",
-             "covered": lambda v: len(v) > 1 and has(v, 0.1),
-             "why": "dropout does not vary over 0.1 and another value", "groups": dropout},
+         "covered": lambda v: len(v) > 1 and has(v, 0.1),
+         "why": "dropout does not vary over 0.1 and another value", "groups": dropout},
         {"key": "wider_dim", "claim": "wider embed_dim is better", "variable": "dim",
-             "covered": lambda v: len(v) > 1, "why": "dim does not vary", "groups": wider},
+         "covered": lambda v: len(v) > 1, "why": "dim does not vary", "groups": wider},
     ]
 
 
-def compute_verdicts(df: pd.DataFrame, metric: str = DEFAULT_METRIC) -> list[Verdict]:
-    """Verdicts on the article's claims. df needs: status, seed, monitored and the config columns
-    dim, heads, ff_dim, dropout (head_dim and ff_ratio are derived when absent)."""
+def _at_best_tuned(sub: pd.DataFrame, sign: float) -> tuple[pd.DataFrame, str]:
+    """The group's members at its best value of each swept TUNED variable (by mean monitored value)."""
+    chosen = []
+    for var in TUNED:
+        col = pd.to_numeric(sub.get(var), errors="coerce") if var in sub else None
+        if col is None or col.nunique() < 2:
+            continue
+        means = (sign * pd.to_numeric(sub["monitored"], errors="coerce")).groupby(col).mean()
+        best = means.idxmax()
+        sub = sub[np.isclose(col, best)]
+        chosen.append(f"{var}={fmt_num(best)}")
+    return sub, ", ".join(chosen)
+
+
+def derive_columns(df: pd.DataFrame) -> pd.DataFrame:
+    """The claim variables as numbers: head_dim from the config or dim / heads, ff_ratio = ff_dim / dim."""
     df = df.copy()
-    for c in ("dim", "heads", "ff_dim", "dropout"):
-        if c not in df.columns:
-            df[c] = math.nan
-        df[c] = pd.to_numeric(df[c], errors="coerce")
-    if "head_dim" not in df.columns or df["head_dim"].isna().all():
-        df["head_dim"] = df["dim"] / df["heads"]
+    for c in ("dim", "heads", "ff_dim", "dropout", "head_dim", "lr"):
+        df[c] = pd.to_numeric(df[c], errors="coerce") if c in df.columns else math.nan
+    df["head_dim"] = df["head_dim"].fillna(df["dim"] / df["heads"])
     if "ff_ratio" not in df.columns or df["ff_ratio"].isna().all():
         df["ff_ratio"] = df["ff_dim"] / df["dim"]
+    return df
+
+
+def compute_verdicts(df: pd.DataFrame, metric: str = DEFAULT_METRIC, margin: float | None = None) -> list[Verdict]:
+    """Verdicts on the article's claims. df needs: status, seed, monitored and the config columns
+    dim, heads, ff_dim, dropout (head_dim and ff_ratio are derived when absent). margin: the smallest
+    difference that matters, in points for an accuracy-like metric, else metric units (stats.margin_units)."""
+    df = derive_columns(df)
+    sign = 1.0 if higher_is_better(metric) else -1.0
+    margin = margin_units(metric, margin)
     valid = df[valid_mask(df)]
     varying = {v: _distinct(df[v]) for v in CLAIM_VARS}
+    tuned_varies = [v for v in TUNED if v in df and len(_distinct(df[v])) > 1]
     out = []
     for spec in _claim_specs():
         var = spec["variable"]
@@ -140,8 +187,23 @@ def compute_verdicts(df: pd.DataFrame, metric: str = DEFAULT_METRIC) -> list[Ver
                                reason=spec["why"] + f" (values: {', '.join(map(fmt_num, vals)) or 'none'})",
                                covered=False, also_varies=also))
             continue
-        label, claimed, alts = spec["groups"](vals, valid)
-        res = compare_groups(claimed, alts, metric, label)
-        out.append(Verdict(key=spec["key"], claim=spec["claim"], variable=var, covered=True,
-                           also_varies=also, **res))
+        label, claimed_sub, alt_subs = spec["groups"](vals, valid)
+        tuned = {}
+        groups = {}
+        for name, sub in [(label, claimed_sub), *alt_subs.items()]:
+            sub, at = _at_best_tuned(sub, sign) if tuned_varies else (sub, "")
+            if at:
+                tuned[name] = at
+            groups[name] = GroupStats.of(name, sub)
+        claimed = groups.pop(label)
+        if claimed.n == 0 or not any(g.n for g in groups.values()):
+            missing = label if claimed.n == 0 else "every alternative"
+            out.append(Verdict(key=spec["key"], claim=spec["claim"], variable=var, verdict=INCONCLUSIVE,
+                               reason=f"no finished runs for {missing}", covered=True, claimed=claimed,
+                               margin=margin, also_varies=also, tuned=tuned))
+            continue
+        verdict, reason, comps = claim_verdict(claimed, [g for g in groups.values() if g.n], sign, margin)
+        out.append(Verdict(key=spec["key"], claim=spec["claim"], variable=var, verdict=verdict, reason=reason,
+                           covered=True, claimed=claimed, comparisons=comps, margin=margin,
+                           also_varies=also, tuned=tuned))
     return out
