@@ -35,12 +35,16 @@ compare: $(STAMP)        ## ours vs PyTorch's, weights copied; exit 1 if a diff 
 bench: $(STAMP)          ## speed and memory vs the official modules (make bench ARGS="quick=true")
 	$(BIN)/python scripts/bench.py $(ARGS)
 
-SWEEPS ?= heads head_dim ff_ratio dropout dim
-sweeps: $(STAMP)         ## the CPU sweep presets into multirun/<preset>; reports copied to results/sweeps/
+SWEEPS ?= heads head_dim dim dropout ff_ratio
+DATA ?= trec
+sweeps: $(STAMP)         ## make sweeps DATA=trec: the CPU presets into multirun/<data>/<preset>, reports to results/sweeps/<data>/<preset>/, then the claims table
 	@for s in $(SWEEPS); do \
-	  $(BIN)/python train.py sweep=$$s hydra.sweep.dir=multirun/$$s $(ARGS) || exit 1; \
-	  mkdir -p results/sweeps/$$s && cp multirun/$$s/report.md multirun/$$s/results.csv multirun/$$s/*.png results/sweeps/$$s/; \
+	  $(BIN)/python train.py sweep=$$s data=$(DATA) hydra.sweep.dir=multirun/$(DATA)/$$s $(ARGS) || exit 1; \
+	  mkdir -p results/sweeps/$(DATA)/$$s && \
+	  cp multirun/$(DATA)/$$s/report.md multirun/$(DATA)/$$s/results.csv multirun/$(DATA)/$$s/verdicts.json \
+	     multirun/$(DATA)/$$s/*.png results/sweeps/$(DATA)/$$s/; \
 	done
+	$(BIN)/mhalab-claims results/sweeps out=results/sweeps/README.md
 
 report: $(STAMP)         ## make report DIR=multirun/<sweep>
 	$(BIN)/python scripts/report.py $(DIR)

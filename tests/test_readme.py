@@ -38,7 +38,7 @@ BENCH = "seq_lens=[64] reps=1 warmup=0 memory=false"
 COMPOSE_ONLY = {"trainer=ddp": "needs GPUs", "hydra/launcher=slurm": "needs a SLURM cluster"}
 NOT_RUN = {("make", "test"): "this suite itself: CI runs it"}
 SCRIPTS = ("mhalab-train", "mhalab-eval", "mhalab-predict", "mhalab-report", "mhalab-bench", "mhalab-compare",
-           "mhalab-attention-map", "mhalab-lra-table")  # pyproject's [project.scripts]
+           "mhalab-attention-map", "mhalab-lra-table", "mhalab-claims")  # pyproject's [project.scripts]
 
 
 def readme_commands() -> list[list[str]]:

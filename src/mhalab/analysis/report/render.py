@@ -82,7 +82,7 @@ def _ci(c: Comparison, scale: float, digits: int) -> str:
     return f"[{c.ci_low * scale:+.{digits}f}, {c.ci_high * scale:+.{digits}f}]"
 
 
-def _p_cell(c: Comparison | None) -> str:
+def p_cell(c: Comparison | None) -> str:
     """The p-value that decided the comparison (Holm-corrected): equivalence, better, or worse."""
     if c is None or c.test == "none":
         return "–"
@@ -177,14 +177,16 @@ def render_markdown(df: pd.DataFrame, summary: pd.DataFrame, verdicts: list[Verd
         L.append("| " + " | ".join([
             v.claim, f"**{v.verdict}**", grp(v.claimed, v), grp(h.alternative if h else None, v),
             f"{h.effect * scale:+.{digits}f} {_ci(h, scale, digits)}" if h and finite(h.effect) else "–",
-            h.test if h else "–", _p_cell(h), ", ".join(v.also_varies) or "–", _md(v.reason)]) + " |")
+            h.test if h else "–", p_cell(h),
+            ", ".join(f"{x} (confounded)" if x in v.confounded else x for x in v.also_varies) or "–",
+            _md(v.reason)]) + " |")
     L.append("")
     many = [v for v in verdicts if v.covered and len(v.comparisons) > 1]
     if many:
         L += ["Every comparison per claim:", ""]
         for v in many:
             parts = [f"{grp(c.alternative, v)}: {c.outcome}, {c.effect * scale:+.{digits}f} {_ci(c, scale, digits)}, "
-                     f"{_p_cell(c)}" for c in v.comparisons]
+                     f"{p_cell(c)}" for c in v.comparisons]
             L.append(f"- {v.claim}, claimed {grp(v.claimed, v)}; " + "; ".join(parts))
         L.append("")
 

@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -244,7 +243,7 @@ def claim_verdict(claimed: GroupStats, alternatives: list[GroupStats], sign: flo
     if untested and len(untested) == len(comps):
         return INCONCLUSIVE, (f"fewer than {MIN_SEEDS} seeds in a compared group ({claimed.label}: "
                               f"{claimed.n_seeds}; {', '.join(untested)}): seed noise cannot be measured"), comps
-    names = lambda outcome: ", ".join(c.alternative.label for c in comps if c.outcome == outcome)  # noqa: E731
+    names = lambda outcome: ", ".join(c.alternative.label for c in comps if c.outcome == outcome)
     if WORSE in outcomes:
         return CONTRADICTED, f"worse than {names(WORSE)}", comps
     if all(o == BETTER for o in outcomes):

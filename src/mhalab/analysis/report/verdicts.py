@@ -13,8 +13,9 @@ Claims and their groups (a claim is *covered* only when its variable varies acro
   narrower dim (so "supported" means the widest is better than each narrower one).
 
 Other swept variables are averaged over within a group (marginal means: a factorial design such as
-heads x head_dim compares each factor at every level of the other); ``also_varies`` names them, a
-confound when the design is not factorial. A swept learning rate (``TUNED``) is not averaged over:
+heads x head_dim compares each factor at every level of the other); ``also_varies`` names them, and
+``confounded`` those of them that the claim's variable fixes (one value per value of it, e.g. head_dim =
+dim / heads in a heads sweep): there the effect is of both together. A swept learning rate (``TUNED``) is not averaged over:
 each group is taken at its own best lr on the monitored metric, as a user tuning each width would.
 """
 
@@ -56,6 +57,7 @@ class Verdict:
     comparisons: list[Comparison] = field(default_factory=list)
     margin: float = math.nan  # metric units
     also_varies: list[str] = field(default_factory=list)
+    confounded: list[str] = field(default_factory=list)  # of also_varies: fixed by the claim's variable (not averaged)
     tuned: dict[str, str] = field(default_factory=dict)  # group label -> "lr=..." it was taken at
 
     @property
@@ -77,7 +79,8 @@ class Verdict:
                 "reason": self.reason, "covered": self.covered, "claimed": group(self.claimed),
                 "comparisons": comps, "headline": None if h is None else h.alternative.label,
                 "effect": h.effect if h else math.nan, "ci": [h.ci_low, h.ci_high] if h else None,
-                "margin": self.margin, "also_varies": self.also_varies, "tuned": self.tuned}
+                "margin": self.margin, "also_varies": self.also_varies, "confounded": self.confounded,
+                "tuned": self.tuned}
 
 
 def _distinct(values: Iterable[float]) -> list[float]:
@@ -122,7 +125,7 @@ def _claim_specs() -> list[dict]:
         return (f"widest dim={fmt_num(widest)}", valid[np.isclose(col, widest)],
                 _by_value(valid, "dim", [v for v in vals if v < widest]))
 
-    has = lambda vals, x: any(math.isclose(v, x) for v in vals)  # noqa: E731
+    has = lambda vals, x: any(math.isclose(v, x) for v in vals)
     return [
         {"key": "head_dim_min_64", "claim": "head_dim not below 64", "variable": "head_dim",
          "covered": lambda v: len(v) > 1 and min(v) < 64 <= max(v),
@@ -187,6 +190,8 @@ def compute_verdicts(df: pd.DataFrame, metric: str = DEFAULT_METRIC, margin: flo
                                reason=spec["why"] + f" (values: {', '.join(map(fmt_num, vals)) or 'none'})",
                                covered=False, also_varies=also))
             continue
+        # a variable that takes one value per value of the claim's is confounded with it, not averaged over
+        confounded = [o for o in also if df.groupby(df[var].round(9))[o].nunique().max() <= 1]
         label, claimed_sub, alt_subs = spec["groups"](vals, valid)
         tuned = {}
         groups = {}
@@ -200,10 +205,10 @@ def compute_verdicts(df: pd.DataFrame, metric: str = DEFAULT_METRIC, margin: flo
             missing = label if claimed.n == 0 else "every alternative"
             out.append(Verdict(key=spec["key"], claim=spec["claim"], variable=var, verdict=INCONCLUSIVE,
                                reason=f"no finished runs for {missing}", covered=True, claimed=claimed,
-                               margin=margin, also_varies=also, tuned=tuned))
+                               margin=margin, also_varies=also, confounded=confounded, tuned=tuned))
             continue
         verdict, reason, comps = claim_verdict(claimed, [g for g in groups.values() if g.n], sign, margin)
         out.append(Verdict(key=spec["key"], claim=spec["claim"], variable=var, verdict=verdict, reason=reason,
                            covered=True, claimed=claimed, comparisons=comps, margin=margin,
-                           also_varies=also, tuned=tuned))
+                           also_varies=also, confounded=confounded, tuned=tuned))
     return out

@@ -1,0 +1,136 @@
+"""The article's claims x data sets: every committed sweep's verdicts in one table.
+
+    mhalab-claims results/sweeps [out=results/sweeps/README.md] [margin=1]
+
+Reads ``<root>/<data set>/<preset>/results.csv`` (the per-member table mhalab-report writes into each
+sweep dir, copied there by ``make sweeps``) and decides each claim with the same code as the reports
+(report.verdicts), so the table and the reports agree. Per covered claim and sweep: the verdict, the
+effect against the closest alternative with its 95% CI and Holm-corrected p, the seeds, and the scale;
+per sweep: its runs, CPU time and best cell.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pandas as pd
+
+from mhalab.analysis.options import doc, emit, parse, split_dir
+from mhalab.analysis.report.render import RESULTS_CSV, p_cell
+from mhalab.analysis.report.stats import margin_units, points_scale, summarize_settings, valid_mask
+from mhalab.analysis.report.values import finite, fmt_num
+from mhalab.analysis.report.verdicts import compute_verdicts
+from mhalab.errors import ConfigError, one_line_errors
+
+METRIC = "val/acc"
+GPU_PRESETS = "`sweep=heads_gpu` (and `head_dim_gpu`, `dim_gpu`, `dropout_gpu`, `ff_ratio_gpu`)"
+
+
+def find_sweeps(root: Path) -> list[tuple[str, str, Path]]:
+    """(data set, preset, results.csv) for every <root>/<data set>/<preset>/results.csv, sorted."""
+    found = sorted(root.glob(f"*/*/{RESULTS_CSV}"))
+    return [(p.parent.parent.name, p.parent.name, p) for p in found]
+
+
+def _scale(df: pd.DataFrame) -> str:
+    """What the runs were: width, depth, epochs (the values of the sweep, swept ones as a range)."""
+    def vals(col):
+        v = sorted({float(x) for x in pd.to_numeric(df[col], errors="coerce").dropna()})
+        return "/".join(fmt_num(x) for x in v) if v else "?"
+    steps = pd.to_numeric(df["global_step"], errors="coerce").dropna()
+    return (f"dim {vals('dim')}, {vals('layers')} layers, {vals('max_epochs')} epochs"
+            + (f" (~{int(steps.median()):,} steps)" if len(steps) else ""))
+
+
+def sweep_rows(data: str, preset: str, csv: Path, margin: float | None) -> tuple[list[dict], dict]:
+    """(one row per covered claim, the sweep's summary row)."""
+    df = pd.read_csv(csv)
+    ok = valid_mask(df)
+    summary = summarize_settings(df, METRIC)
+    best = summary.iloc[0] if len(summary) and summary.iloc[0]["n"] else None
+    wall = pd.to_numeric(df["wall_time_s"], errors="coerce").fillna(0).sum()
+    info = {"data": data, "preset": preset, "runs": len(df), "finished": int(ok.sum()),
+            "cpu_h": wall / 3600, "scale": _scale(df),
+            "best": None if best is None else (best["setting"], best["best_val_acc_mean"], best["test_acc_mean"])}
+    rows = []
+    for v in compute_verdicts(df, METRIC, margin):
+        if not v.covered:
+            continue
+        h = v.headline
+        rows.append({"claim": v.claim, "data": data, "preset": preset, "verdict": v.verdict, "headline": h,
+                     "claimed": v.claimed, "seeds": v.claimed.n_seeds if v.claimed else 0,
+                     "also": v.also_varies, "confounded": v.confounded, "tuned": v.tuned, "scale": info["scale"]})
+    return rows, info
+
+
+def render(root: Path, margin: float | None = None) -> str:
+    sweeps = find_sweeps(root)
+    if not sweeps:
+        raise ConfigError(f"no <data set>/<preset>/{RESULTS_CSV} under {root}: give the folder that `make sweeps` "
+                          "fills (results/sweeps)")
+    scale = points_scale(METRIC)[0]
+    rows, infos = [], []
+    for data, preset, csv in sweeps:
+        r, info = sweep_rows(data, preset, csv, margin)
+        rows += r
+        infos.append(info)
+    rule = (f"Written by `mhalab-claims {root}` from each sweep's `{RESULTS_CSV}`, with the reports' rule "
+            "(mhalab.analysis.report.stats): per-seed means, paired t-test over shared seeds, one-sided at 5%, TOST "
+            f"within ±{margin_units(METRIC, margin) * scale:g} point, Holm across a claim's alternatives. Effect = "
+            "claimed − the closest alternative (its best competitor), in points of validation accuracy, with its 95% CI.")
+    L = ["# The article's claims, tested", "", rule, "",
+         ("| claim | data set | preset | verdict | effect [95% CI] vs closest alternative | p (Holm) | seeds | "
+          "design | scale |"),
+         "|---|---|---|---|---|---|---|---|---|"]
+    for claim in dict.fromkeys(r["claim"] for r in rows):
+        for r in (x for x in rows if x["claim"] == claim):
+            h = r["headline"]
+            eff = "–"
+            if h is not None and finite(h.effect):
+                ci = (f" [{h.ci_low * scale:+.1f}, {h.ci_high * scale:+.1f}]" if finite(h.ci_low) else "")
+                at = f" at {r['tuned'][h.alternative.label]}" if h.alternative.label in r["tuned"] else ""
+                eff = f"{h.effect * scale:+.1f}{ci} vs {h.alternative.label}{at}"
+            averaged = [x for x in r["also"] if x not in r["confounded"]]
+            design = "; ".join([*(["confounded with " + ", ".join(r["confounded"])] if r["confounded"] else []),
+                                *(["averaged over " + ", ".join(averaged)] if averaged else [])]) or "one factor"
+            if r["tuned"]:
+                design += "; lr tuned per group"
+            L.append(f"| {claim} | {r['data']} | [{r['preset']}]({r['data']}/{r['preset']}/report.md) | "
+                     f"**{r['verdict']}** | {eff} | {p_cell(h)} | {r['seeds']} | {design} | {r['scale']} |")
+    L += ["", ("Per sweep: runs, CPU time (the members' wall time summed; two ran at a time on 2 cores) and the best "
+               "cell (mean over seeds):"), "",
+          "| data set | preset | runs (finished) | CPU time | best cell: val / test acc | scale |",
+          "|---|---|---|---|---|---|"]
+    for i in infos:
+        best = "–" if i["best"] is None else f"{i['best'][0]}: {i['best'][1] * 100:.1f} / {i['best'][2] * 100:.1f}"
+        L.append(f"| {i['data']} | {i['preset']} | {i['runs']} ({i['finished']}) | {i['cpu_h']:.2f} h | {best} | "
+                 f"{i['scale']} |")
+    L += ["", f"At the article's width on a GPU: {GPU_PRESETS}, then `mhalab-report` on the sweep dir.", ""]
+    return "\n".join(L)
+
+
+@dataclass
+class ClaimsOptions:
+    """mhalab-claims' key=value options (after the results folder)."""
+
+    out: str | None = field(default=None, metadata=doc("also write the table to this file"))
+    margin: float | None = field(default=None, metadata=doc("the equivalence margin in points (null: 1)"))
+
+
+USAGE = "mhalab-claims <results folder> [out=results/sweeps/README.md] [margin=1]"
+
+
+@one_line_errors
+def main(argv: list[str] | None = None) -> int:
+    root, words = split_dir(sys.argv[1:] if argv is None else argv, USAGE)
+    opts = parse(ClaimsOptions, words, "mhalab-claims", __doc__.splitlines()[0])
+    if not root.is_dir():
+        raise ConfigError(f"{root} is not a folder; give the folder that `make sweeps` fills (results/sweeps)")
+    emit(render(root, opts.margin), opts.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
