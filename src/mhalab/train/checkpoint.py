@@ -110,7 +110,7 @@ def check_fits(path: str | Path, model: dict, data: dict) -> None:
             continue
         was, now = saved.get(key, SHAPE_DEFAULTS.get(key)), model.get(key)
         if was != now:
-            show = lambda v: "null" if v is None else v  # noqa: E731  (as the config writes it)
+            show = lambda v: "null" if v is None else v
             raise CheckpointError(
                 f"ckpt_path={path} holds a model with {key}={show(was)}, but the config has "
                 f"{key}={show(now)}; resume with the same model settings (e.g. {key}={show(was)})."

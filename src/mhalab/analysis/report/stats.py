@@ -251,7 +251,10 @@ def claim_verdict(claimed: GroupStats, alternatives: list[GroupStats], sign: flo
     if all(o in (BETTER, EQUIVALENT) for o in outcomes):
         better = f"; better than {names(BETTER)}" if BETTER in outcomes else ""
         return NO_DIFFERENCE, f"within the margin of {names(EQUIVALENT)}{better}", comps
-    return INCONCLUSIVE, f"the interval crosses the margin against {names(UNCLEAR)}", comps
+    crossing = ", ".join(c.alternative.label for c in comps if c.outcome == UNCLEAR and c.test != "none")
+    few = f"fewer than {MIN_SEEDS} seeds for {', '.join(untested)}" if untested else ""
+    return INCONCLUSIVE, "; ".join(x for x in (crossing and f"the interval crosses the margin against {crossing}",
+                                               few) if x), comps
 
 
 def fmt_p(p: float) -> str:
