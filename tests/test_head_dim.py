@@ -81,6 +81,12 @@ def test_to_official_refuses_a_head_dim_pytorch_cannot_express():
         MultiHeadAttention(E, H, head_dim=0)
 
 
+def test_a_model_with_head_dim_refuses_pytorchs_encoder_naming_the_head_dim():
+    model = SequenceClassifier(vocab_size=40, num_classes=3, dim=E, heads=H, head_dim=D, layers=1, ff_dim=64)
+    with pytest.raises(ValueError, match=r"cannot express num_heads=2 x head_dim=24"):
+        model.with_encoder("official")  # through TransformerEncoder -> layer -> attention .to_official()
+
+
 def test_head_dim_lets_heads_not_divide_dim():
     mha = MultiHeadAttention(30, 4, head_dim=8)  # 30 / 4 is not an integer; 4 x 8 = 32 is fine
     assert mha(torch.randn(1, 3, 30))[0].shape == (1, 3, 30)
