@@ -404,7 +404,7 @@ def test_verdicts_end_to_end(reported: tuple[Path, dict]) -> None:
     assert by["heads_8_or_16"]["ci"] == pytest.approx([0.09 - half, 0.09 + half])
     md = res["report_md"].read_text()
     assert ("| 8 or 16 heads | **supported** | heads in {8,16}: 81.00 ± 1.00 (seeds=3) | heads=2: 72.00 ± 2.00 "
-            f"(seeds=3) | +9.00 [{100 * (0.09 - half):+.2f}, {100 * (0.09 + half):+.2f}] | paired | better 0.002 |") in md
+            f"(seeds=3) | +9.00 [{100 * (0.09 - half):+.2f}, {100 * (0.09 + half):+.2f}] | paired | 0.004 |") in md
     assert "paired t-test" in md and "Holm" in md and "TOST" in md  # the rule is stated
     saved = json.loads(res["verdicts_json"].read_text())
     assert saved["margin"] == 0.01 and [v["verdict"] for v in saved["verdicts"]] == list(res["verdict_by_claim"].values())

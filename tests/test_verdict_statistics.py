@@ -53,9 +53,7 @@ def test_paired_comparison_equals_scipys_paired_t_test_interval_and_tost():
     assert comp.test == "paired" and comp.n == 5 and comp.df == 4
     d = np.subtract(C, A)
     assert comp.effect == pytest.approx(d.mean())
-    res = stats.ttest_rel(C, A, alternative="greater")
-    assert comp.p_better == pytest.approx(res.pvalue, rel=1e-10)
-    assert comp.p_worse == pytest.approx(stats.ttest_rel(C, A, alternative="less").pvalue, rel=1e-10)
+    assert comp.p_diff == pytest.approx(stats.ttest_rel(C, A).pvalue, rel=1e-10)
     ci = stats.ttest_rel(C, A).confidence_interval(0.95)
     assert (comp.ci_low, comp.ci_high) == pytest.approx((ci.low, ci.high), rel=1e-10)
     tost = max(stats.ttest_1samp(d, -MARGIN, alternative="greater").pvalue,
@@ -66,8 +64,8 @@ def test_paired_comparison_equals_scipys_paired_t_test_interval_and_tost():
 def test_welch_comparison_when_the_groups_have_other_seeds_equals_scipys():
     comp = compare(_group(C, seeds=[0, 1, 2, 3, 4]), _group(A[:4], seeds=[5, 6, 7, 8]), 1.0, MARGIN)
     assert comp.test == "welch"
-    res = stats.ttest_ind(C, A[:4], equal_var=False, alternative="greater")
-    assert comp.p_better == pytest.approx(res.pvalue, rel=1e-10)
+    res = stats.ttest_ind(C, A[:4], equal_var=False)
+    assert comp.p_diff == pytest.approx(res.pvalue, rel=1e-10)
     assert comp.df == pytest.approx(res.df, rel=1e-10)
     ci = stats.ttest_ind(C, A[:4], equal_var=False).confidence_interval(0.95)
     assert (comp.ci_low, comp.ci_high) == pytest.approx((ci.low, ci.high), rel=1e-10)
@@ -79,13 +77,13 @@ def test_welch_comparison_when_the_groups_have_other_seeds_equals_scipys():
 def test_paired_comparison_uses_only_the_shared_seeds():
     comp = compare(_group(C + [0.9], seeds=[0, 1, 2, 3, 4, 9]), _group(A), 1.0, MARGIN)
     assert comp.test == "paired" and comp.n == 5
-    assert comp.p_better == pytest.approx(stats.ttest_rel(C, A, alternative="greater").pvalue, rel=1e-10)
+    assert comp.p_diff == pytest.approx(stats.ttest_rel(C, A).pvalue, rel=1e-10)
 
 
 def test_a_loss_metric_flips_the_sign_so_lower_is_better():
     comp = compare(_group(A), _group(C), -1.0, MARGIN)  # A has the lower values: better for a loss
     assert comp.effect == pytest.approx(np.mean(np.subtract(C, A)))
-    assert comp.p_better == pytest.approx(stats.ttest_rel(C, A, alternative="greater").pvalue, rel=1e-10)
+    assert comp.p_diff == pytest.approx(stats.ttest_rel(C, A).pvalue, rel=1e-10)
 
 
 def test_holm_adjusted_p_values_by_hand():
@@ -185,8 +183,8 @@ def _simulate(effect: float, shared: float, paired: bool, seed: int) -> float:
 
 
 def _noncentral_power(effect: float, se: float, df: float) -> float:
-    """P(one-sided t-test rejects at ALPHA) for a true effect: the noncentral t's tail."""
-    return float(stats.nct.sf(stats.t.ppf(1 - ALPHA, df), df, effect / se))
+    """P(the two-sided t-test at ALPHA finds the claimed group better) for a true effect: the noncentral t's tail."""
+    return float(stats.nct.sf(stats.t.ppf(1 - ALPHA / 2, df), df, effect / se))
 
 
 MC = 3 * math.sqrt(0.25 / TABLES)  # 3 Monte Carlo standard errors at most
@@ -196,18 +194,19 @@ def test_power_with_shared_seeds_is_at_least_90_percent_for_a_2_point_effect():
     # the sweeps' design: the runs of a seed share data order and initial draws (here half the variance)
     rate = _simulate(0.02, shared=0.5, paired=True, seed=1)
     assert rate >= 0.90
-    assert rate == pytest.approx(_noncentral_power(0.02, 0.01 / math.sqrt(5), 4), abs=MC)  # 0.975
+    assert rate == pytest.approx(_noncentral_power(0.02, 0.01 / math.sqrt(5), 4), abs=MC)  # 0.909
 
 
 def test_power_with_independent_seeds_matches_welchs_noncentral_t():
-    # other seeds per group: Welch's test, ~8 degrees of freedom; 2 points at SD 1 and 5 seeds gives 0.89
+    # other seeds per group: Welch's test, ~8 degrees of freedom; 2 points at SD 1 and 5 seeds gives 0.79
+    # (6 seeds: 0.87, 8: 0.95); pairing by seed is what lifts the sweeps' design above 0.9
     rate = _simulate(0.02, shared=0.5, paired=False, seed=2)
     expected = _noncentral_power(0.02, 0.01 * math.sqrt(2 / 5), 8)
-    assert expected == pytest.approx(0.89, abs=0.01)
+    assert expected == pytest.approx(0.79, abs=0.01)
     assert rate == pytest.approx(expected, abs=MC + 0.01)  # Welch's df varies per table
 
 
 @pytest.mark.parametrize("paired", [True, False], ids=["paired", "welch"])
 def test_no_effect_gives_a_false_supported_in_at_most_5_percent(paired):
     rate = _simulate(0.0, shared=0.5, paired=paired, seed=3)
-    assert rate <= ALPHA + MC
+    assert rate <= ALPHA / 2 + MC  # the two-sided test's upper tail: 2.5%

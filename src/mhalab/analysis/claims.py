@@ -77,7 +77,7 @@ def render(root: Path, margin: float | None = None) -> str:
         rows += r
         infos.append(info)
     rule = (f"Written by `mhalab-claims {root}` from each sweep's `{RESULTS_CSV}`, with the reports' rule "
-            "(mhalab.analysis.report.stats): per-seed means, paired t-test over shared seeds, one-sided at 5%, TOST "
+            "(mhalab.analysis.report.stats): per-seed means, paired t-test over shared seeds, two-sided at 5%, TOST "
             f"within ±{margin_units(METRIC, margin) * scale:g} point, Holm across a claim's alternatives. Effect = "
             "claimed − the closest alternative (its best competitor), in points of validation accuracy, with its 95% CI.")
     L = ["# The article's claims, tested", "", rule, "",

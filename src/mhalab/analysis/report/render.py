@@ -88,9 +88,7 @@ def p_cell(c: Comparison | None) -> str:
         return "–"
     if c.outcome == "equivalent":
         return f"equiv. {fmt_p(c.p_equivalent_holm)}"
-    if c.effect < 0:
-        return f"worse {fmt_p(c.p_worse_holm)}"
-    return f"better {fmt_p(c.p_better_holm)}"
+    return fmt_p(c.p_diff_holm)
 
 
 def render_markdown(df: pd.DataFrame, summary: pd.DataFrame, verdicts: list[Verdict], metric: str,
@@ -144,8 +142,7 @@ def render_markdown(df: pd.DataFrame, summary: pd.DataFrame, verdicts: list[Verd
             if comp.test == "none":
                 line += " (fewer than 2 seeds: noise not measurable)."
             else:
-                line += (f" (95% CI of the gap {_ci(comp, scale, digits)}{unit}, {comp.test}, one-sided p = "
-                         f"{fmt_p(comp.p_better)}).")
+                line += f" (95% CI of the gap {_ci(comp, scale, digits)}{unit}, {comp.test}, p = {fmt_p(comp.p_diff)})."
             L.append(line)
         if b["n"] < 2:
             L.append("Single seed: the ranking is not protected against seed noise.")
@@ -154,8 +151,8 @@ def render_markdown(df: pd.DataFrame, summary: pd.DataFrame, verdicts: list[Verd
     L += ["## Verdicts on the article's claims", ""]
     L += [(f"Rule (mhalab.analysis.report.stats): each group is one value per seed, the mean `{metric}` of its "
           "members at that seed; the claimed group is compared with each alternative by a paired t-test on the "
-          f"per-seed differences when they share seeds (else Welch's), at one-sided level {ALPHA:g} for "
-          f"better / worse and by TOST for equivalence within ±{margin * scale:g}{unit} (the margin), each "
+          f"per-seed differences when they share seeds (else Welch's), two-sided at {ALPHA:g} for better / "
+          f"worse and by TOST for equivalence within ±{margin * scale:g}{unit} (the margin), each "
           "Holm-corrected across the claim's alternatives. **supported**: better than every alternative; "
           "**contradicted**: worse than one; **no practical difference**: better than or within the margin of each; "
           f"**inconclusive**: an interval crosses the margin (or fewer than {MIN_SEEDS} seeds). Effect = claimed − "

@@ -20,26 +20,28 @@ claimed group is better (flipped for a loss), in the metric's units.
 * **Welch** (unequal variances, Welch-Satterthwaite degrees of freedom) when they do not (other seeds);
 * fewer than 2 seeds in either group: no test (the noise cannot be measured).
 
-From the t statistic: the effect's two-sided 95% confidence interval; ``p_better`` (one-sided, H0:
-effect <= 0), ``p_worse`` (one-sided, H0: effect >= 0), and the equivalence test ``p_equivalent``
-(TOST: the larger of the two one-sided p-values against -margin and +margin; equivalence at level
-alpha is the 90% interval lying inside +-margin). The margin is the smallest difference that matters,
+From the t statistic: the effect's two-sided 95% confidence interval, its two-sided p-value ``p_diff``
+(H0: effect = 0; p_diff < 0.05 exactly when the interval excludes 0), and the equivalence test
+``p_equivalent`` (TOST: the larger of the two one-sided p-values against -margin and +margin;
+equivalence at level alpha is the 90% interval lying inside +-margin). The margin is the smallest difference that matters,
 settable: by default 1 point of an accuracy-like metric (0.01), or 0.01 of another metric (a loss).
 
 A claim (``claim_verdict``)
 ---------------------------
-A claim compares its group with each alternative (e.g. "8 or 16 heads" against heads 1, 2, 4). Each of
-the three p-values is Holm-corrected across the claim's alternatives, and each comparison is read at
-``ALPHA`` = 0.05: **equivalent** if the corrected p_equivalent < alpha (precedence: a difference smaller
-than the margin does not matter, even when it is significant), else **claimed better** / **claimed
-worse** if the corrected p_better / p_worse < alpha, else **unclear**. The claim is then
+A claim compares its group with each alternative (e.g. "8 or 16 heads" against heads 1, 2, 4). Both
+p-values are Holm-corrected across the claim's alternatives, and each comparison is read at ``ALPHA`` =
+0.05: **equivalent** if the corrected p_equivalent < alpha (precedence: a difference smaller than the
+margin does not matter, even when it is significant), else **claimed better** / **claimed worse** if the
+corrected p_diff < alpha with the effect > 0 / < 0 (so a "better" always has a 95% interval above 0),
+else **unclear**. The claim is then
 
 * **contradicted** if some alternative is better than the claimed group;
 * **supported** if the claimed group is better than every alternative;
 * **no practical difference** if it is better than or equivalent to each, and equivalent to one at least;
 * **inconclusive** otherwise: some interval crosses the margin (more seeds would settle it).
 
-Each verdict's false-positive rate is at most alpha (the one-sided tests, Holm across alternatives).
+A false "supported" (or "contradicted") happens in at most alpha / 2 of the tables where the claim makes
+no difference, a false "no practical difference" in at most alpha of those where it makes one of the margin.
 Power: ``tests/test_verdict_statistics.py`` simulates tables with known effects.
 """
 
@@ -55,7 +57,7 @@ from scipy import stats
 from mhalab.analysis.report.values import natural_key
 
 DEFAULT_METRIC = "val/acc"  # the monitored metric unless told otherwise
-ALPHA = 0.05  # level of each one-sided test and of the equivalence test
+ALPHA = 0.05  # level of the two-sided difference test and of the equivalence test
 DEFAULT_MARGIN = 1.0  # the smallest difference that matters, in points of an accuracy-like metric (0.01)
 DEFAULT_MARGIN_OTHER = 0.01  # ... and in units of another metric (a loss)
 MIN_SEEDS = 2  # fewer distinct seeds in a compared group -> no test
@@ -173,11 +175,9 @@ class Comparison:
     df: float = math.nan
     ci_low: float = math.nan  # two-sided 95%
     ci_high: float = math.nan
-    p_better: float = math.nan  # raw one-sided p-values and TOST
-    p_worse: float = math.nan
+    p_diff: float = math.nan  # raw: two-sided t-test, and TOST
     p_equivalent: float = math.nan
-    p_better_holm: float = math.nan  # Holm-corrected across the claim's alternatives
-    p_worse_holm: float = math.nan
+    p_diff_holm: float = math.nan  # Holm-corrected across the claim's alternatives
     p_equivalent_holm: float = math.nan
     outcome: str = UNCLEAR
 
@@ -203,13 +203,12 @@ def compare(claimed: GroupStats, alternative: GroupStats, sign: float, margin: f
     e, se, df = out.effect, out.se, out.df
     if se <= 1e-12 * max(1.0, abs(e)):  # no spread (up to rounding): the data leave no doubt either way
         out.ci_low = out.ci_high = e
-        out.p_better, out.p_worse = float(e <= 0), float(e >= 0)
+        out.p_diff = float(e == 0)
         out.p_equivalent = float(abs(e) >= margin)
         return out
     half = stats.t.ppf(0.975, df) * se
     out.ci_low, out.ci_high = e - half, e + half
-    out.p_better = float(stats.t.sf(e / se, df))
-    out.p_worse = float(stats.t.cdf(e / se, df))
+    out.p_diff = float(2 * stats.t.sf(abs(e) / se, df))
     out.p_equivalent = float(max(stats.t.sf((e + margin) / se, df), stats.t.cdf((e - margin) / se, df)))
     return out
 
@@ -228,16 +227,14 @@ def claim_verdict(claimed: GroupStats, alternatives: list[GroupStats], sign: flo
                   margin: float) -> tuple[str, str, list[Comparison]]:
     """(verdict, reason, comparisons) for a claim: the rule of the module docstring. margin in metric units."""
     comps = [compare(claimed, a, sign, margin) for a in alternatives]
-    for key in ("p_better", "p_worse", "p_equivalent"):
+    for key in ("p_diff", "p_equivalent"):
         for comp, p in zip(comps, holm([getattr(x, key) for x in comps])):
             setattr(comp, f"{key}_holm", p)
     for comp in comps:
         if comp.p_equivalent_holm < ALPHA:
             comp.outcome = EQUIVALENT
-        elif comp.p_better_holm < ALPHA:
-            comp.outcome = BETTER
-        elif comp.p_worse_holm < ALPHA:
-            comp.outcome = WORSE
+        elif comp.p_diff_holm < ALPHA:
+            comp.outcome = BETTER if comp.effect > 0 else WORSE
     untested = [c.alternative.label for c in comps if c.test == "none"]
     outcomes = [c.outcome for c in comps]
     if untested and len(untested) == len(comps):
