@@ -44,6 +44,11 @@ def _scale(df: pd.DataFrame) -> str:
             + (f" (~{int(steps.median()):,} steps)" if len(steps) else ""))
 
 
+def _without_data(setting: str) -> str:
+    """A setting's name without its data=... word (the table has a data set column)."""
+    return " ".join(w for w in setting.split() if not w.startswith("data=")) or setting
+
+
 def sweep_rows(data: str, preset: str, csv: Path, margin: float | None) -> tuple[list[dict], dict]:
     """(one row per covered claim, the sweep's summary row)."""
     df = pd.read_csv(csv)
@@ -53,13 +58,14 @@ def sweep_rows(data: str, preset: str, csv: Path, margin: float | None) -> tuple
     wall = pd.to_numeric(df["wall_time_s"], errors="coerce").fillna(0).sum()
     info = {"data": data, "preset": preset, "runs": len(df), "finished": int(ok.sum()),
             "cpu_h": wall / 3600, "scale": _scale(df),
-            "best": None if best is None else (best["setting"], best["best_val_acc_mean"], best["test_acc_mean"])}
+            "best": None if best is None else (_without_data(best["setting"]), best["best_val_acc_mean"],
+                                               best["test_acc_mean"])}
     rows = []
-    for v in compute_verdicts(df, METRIC, margin):
+    for order, v in enumerate(compute_verdicts(df, METRIC, margin)):  # the claims in verdicts.py's order
         if not v.covered:
             continue
         h = v.headline
-        rows.append({"claim": v.claim, "data": data, "preset": preset, "verdict": v.verdict, "headline": h,
+        rows.append({"order": order, "claim": v.claim, "data": data, "preset": preset, "verdict": v.verdict, "headline": h,
                      "claimed": v.claimed, "seeds": v.claimed.n_seeds if v.claimed else 0,
                      "also": v.also_varies, "confounded": v.confounded, "tuned": v.tuned, "scale": info["scale"]})
     return rows, info
@@ -84,21 +90,20 @@ def render(root: Path, margin: float | None = None) -> str:
          ("| claim | data set | preset | verdict | effect [95% CI] vs closest alternative | p (Holm) | seeds | "
           "design | scale |"),
          "|---|---|---|---|---|---|---|---|---|"]
-    for claim in dict.fromkeys(r["claim"] for r in rows):
-        for r in (x for x in rows if x["claim"] == claim):
-            h = r["headline"]
-            eff = "–"
-            if h is not None and finite(h.effect):
-                ci = (f" [{h.ci_low * scale:+.1f}, {h.ci_high * scale:+.1f}]" if finite(h.ci_low) else "")
-                at = f" at {r['tuned'][h.alternative.label]}" if h.alternative.label in r["tuned"] else ""
-                eff = f"{h.effect * scale:+.1f}{ci} vs {h.alternative.label}{at}"
-            averaged = [x for x in r["also"] if x not in r["confounded"]]
-            design = "; ".join([*(["confounded with " + ", ".join(r["confounded"])] if r["confounded"] else []),
-                                *(["averaged over " + ", ".join(averaged)] if averaged else [])]) or "one factor"
-            if r["tuned"]:
-                design += "; lr tuned per group"
-            L.append(f"| {claim} | {r['data']} | [{r['preset']}]({r['data']}/{r['preset']}/report.md) | "
-                     f"**{r['verdict']}** | {eff} | {p_cell(h)} | {r['seeds']} | {design} | {r['scale']} |")
+    for r in sorted(rows, key=lambda x: x["order"]):  # stable: data sets and presets stay sorted within a claim
+        h = r["headline"]
+        eff = "–"
+        if h is not None and finite(h.effect):
+            ci = (f" [{h.ci_low * scale:+.1f}, {h.ci_high * scale:+.1f}]" if finite(h.ci_low) else "")
+            at = f" at {r['tuned'][h.alternative.label]}" if h.alternative.label in r["tuned"] else ""
+            eff = f"{h.effect * scale:+.1f}{ci} vs {h.alternative.label}{at}"
+        averaged = [x for x in r["also"] if x not in r["confounded"]]
+        design = "; ".join([*(["confounded with " + ", ".join(r["confounded"])] if r["confounded"] else []),
+                            *(["averaged over " + ", ".join(averaged)] if averaged else [])]) or "one factor"
+        if r["tuned"]:
+            design += "; lr tuned per group"
+        L.append(f"| {r['claim']} | {r['data']} | [{r['preset']}]({r['data']}/{r['preset']}/report.md) | "
+                 f"**{r['verdict']}** | {eff} | {p_cell(h)} | {r['seeds']} | {design} | {r['scale']} |")
     L += ["", ("Per sweep: runs, CPU time (the members' wall time summed; two ran at a time on 2 cores) and the best "
                "cell (mean over seeds):"), "",
           "| data set | preset | runs (finished) | CPU time | best cell: val / test acc | scale |",
