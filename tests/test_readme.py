@@ -7,8 +7,9 @@ inside a copy of the checkout so that nothing they write lands in it. What is ap
 - GPU-sized lines (`experiment=article`, `*_gpu`): the CPU, float32, batches of 4 x 32 tokens and one
   layer of the article's width (dim 512, 8 heads, ff 2048): each checkpoint of six would be 230 MB;
 - `make bench`: one short sequence length, one repetition.
-`<run>` and `<sweep>` stand for the run and the sweep the first such commands made. Two lines need
-what CI does not have (GPUs, a SLURM cluster): they are composed (`--cfg job`), not run. `make test` is
+`<run>` and `<sweep>` stand for the run and the sweep the first such commands made. Three lines need
+what CI does not have (GPUs, a SLURM cluster): they are composed (`--cfg job`), not run; the GPU sweep's
+first member trains one batch on CPU in tests/test_config_options.py. `make test` is
 the command that runs this suite: CI runs it.
 """
 
@@ -35,7 +36,8 @@ SWEEP = ["seed=0"]
 ON_CPU = ["trainer.accelerator=cpu", "trainer.precision=32-true", "trainer.devices=1", "batch_size=4",
           "max_len=32", "layers=1"]
 BENCH = "seq_lens=[64] reps=1 warmup=0 memory=false"
-COMPOSE_ONLY = {"trainer=ddp": "needs GPUs", "hydra/launcher=slurm": "needs a SLURM cluster"}
+COMPOSE_ONLY = {"trainer=ddp": "needs GPUs", "hydra/launcher=slurm": "needs a SLURM cluster",
+                "sweep=heads_gpu": "a GPU's sweep (tests/test_config_options.py trains its first member on CPU)"}
 NOT_RUN = {("make", "test"): "this suite itself: CI runs it"}
 SCRIPTS = ("mhalab-train", "mhalab-eval", "mhalab-predict", "mhalab-report", "mhalab-bench", "mhalab-compare",
            "mhalab-attention-map", "mhalab-lra-table", "mhalab-claims")  # pyproject's [project.scripts]

@@ -206,7 +206,7 @@ def compare(claimed: GroupStats, alternative: GroupStats, sign: float, margin: f
         out.p_diff = float(e == 0)
         out.p_equivalent = float(abs(e) >= margin)
         return out
-    half = stats.t.ppf(0.975, df) * se
+    half = stats.t.ppf(1 - ALPHA / 2, df) * se  # the 95% interval
     out.ci_low, out.ci_high = e - half, e + half
     out.p_diff = float(2 * stats.t.sf(abs(e) / se, df))
     out.p_equivalent = float(max(stats.t.sf((e + margin) / se, df), stats.t.cdf((e - margin) / se, df)))
