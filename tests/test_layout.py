@@ -15,8 +15,8 @@ import mhalab
 
 SRC = Path(mhalab.__file__).parent
 # a module may import its own layer and the ones below; errors.py is everyone's
-LAYER = {"errors": 0, "nn": 1, "model": 2, "data": 2, "train": 3, "analysis": 4, "cli": 5}
-TORCH_ONLY = ("nn", "model")  # and the package root: what `import mhalab` loads
+LAYER = {"errors": 0, "nn": 1, "model": 2, "mlm": 2, "data": 2, "train": 3, "analysis": 4, "cli": 5}
+TORCH_ONLY = ("nn", "model", "mlm")  # and the package root: what `import mhalab` loads
 FRAMEWORKS = ("lightning", "hydra", "omegaconf", "datasets", "matplotlib", "tokenizers", "pandas", "wandb")
 
 

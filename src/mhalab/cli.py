@@ -1,4 +1,4 @@
-"""The console commands (pyproject's [project.scripts]): mhalab-train, mhalab-eval, mhalab-predict.
+"""The console commands (pyproject's [project.scripts]): mhalab-train, mhalab-eval, mhalab-predict, mhalab-baseline.
 
 mhalab-report, mhalab-bench and mhalab-compare live with their code in mhalab.analysis. Every command
 prints a user's mistake as one line and exits 2 (mhalab.errors.one_line_errors).
@@ -28,9 +28,9 @@ def train() -> None:
     main()
 
 
-def _hydra_command(config_name: str, command: str) -> None:
+def _hydra_command(config_name: str, module: str) -> None:
     """Compose conf/<config_name>.yaml with the command line's key=value overrides, then run
-    mhalab.train.<command>.command(cfg). Those configs write nothing of Hydra's (no run dir, no log)."""
+    <module>.command(cfg). Those configs write nothing of Hydra's (no run dir, no log)."""
     import importlib
 
     import hydra
@@ -40,16 +40,21 @@ def _hydra_command(config_name: str, command: str) -> None:
     @hydra.main(version_base="1.3", config_path=str(config.CONF_DIR), config_name=config_name)
     @one_line_errors
     def main(cfg):
-        return importlib.import_module(f"mhalab.train.{command}").command(cfg)
+        return importlib.import_module(module).command(cfg)
 
     main()
 
 
 def evaluate() -> None:
     """mhalab-eval (and `python scripts/eval.py`): a checkpoint's metrics on one split (conf/eval.yaml)."""
-    _hydra_command("eval", "evaluate")
+    _hydra_command("eval", "mhalab.train.evaluate")
 
 
 def predict() -> None:
     """mhalab-predict: one JSON line of label and class probabilities per input text (conf/predict.yaml)."""
-    _hydra_command("predict", "predict")
+    _hydra_command("predict", "mhalab.train.predict")
+
+
+def baseline() -> None:
+    """mhalab-baseline: TF-IDF + logistic regression on a data set's splits (conf/baseline.yaml)."""
+    _hydra_command("baseline", "mhalab.analysis.baseline")

@@ -250,10 +250,18 @@ class SequenceClassifier(nn.Module):
     def _forward_packed(self, input_ids: Tensor, seqlens: SeqLens) -> Tensor:
         """The padded forward's logits, computed on the N real tokens only: no pads anywhere (the custom encoder
         attends per sequence, nn.varlen); PyTorch's encoder gets them padded, as it needs."""
+        x, seqlens = self.encode(input_ids, seqlens)  # (N', E)
+        pooled = x.index_select(0, seqlens.starts(x.device)) if self.pooling == "cls" else seqlens.mean(x)  # (B, E)
+        return self.head(self.drop(pooled))  # (B, C)
+
+    def encode(self, input_ids: Tensor, seqlens: SeqLens, embeddings: Tensor | None = None) -> tuple[Tensor, SeqLens]:
+        """The encoder's output for every token of a packed batch: input_ids (N,) -> (N', E) and the lengths of
+        its sequences (N' = N + B with pooling=cls, whose CLS vector is each sequence's first row).
+        embeddings: (N, E) to use instead of embed(input_ids) (masked-LM pretraining puts its [MASK] vector there)."""
         if input_ids.dim() != 1 or input_ids.size(0) != seqlens.num_tokens:
             raise ValueError(f"packed input_ids must be (N,) = ({seqlens.num_tokens},), the sequences back to back; "
                              f"got {tuple(input_ids.shape)}.")
-        x = self.embed(input_ids)  # (N, E)
+        x = self.embed(input_ids) if embeddings is None else embeddings  # (N, E)
         if self.cls is not None:
             x, seqlens = seqlens.with_prefix(x, self.cls.view(-1))  # (N + B, E): CLS first in each sequence
         if self.pos is not None:
@@ -264,8 +272,7 @@ class SequenceClassifier(nn.Module):
             x = self.encoder.forward_packed(x, unpad)  # (N, E)
         else:  # (N, E) -> (B, L, E) -> PyTorch's encoder -> (N, E)
             x = unpad.pack(self.encoder(unpad.unpack(x), src_key_padding_mask=unpad.key_padding_mask))
-        pooled = x.index_select(0, seqlens.starts(x.device)) if self.pooling == "cls" else seqlens.mean(x)  # (B, E)
-        return self.head(self.drop(pooled))  # (B, C)
+        return x, seqlens
 
     def with_encoder(self, kind: str) -> SequenceClassifier:
         """The same model with the other encoder implementation, weights copied exactly."""

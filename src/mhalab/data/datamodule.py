@@ -174,6 +174,12 @@ class TextClassificationDataModule(L.LightningDataModule):
         self.validate()  # the cache key needs the files' size and mtime
         return self._cache_paths()[0]
 
+    @property
+    def encoded_dir(self) -> Path:
+        """Where the encoded splits are cached: its name is a digest of the data, the tokenizer and max_len."""
+        self.validate()
+        return self._cache_paths()[1]
+
     def _read_splits(self) -> dict[str, tuple[list[str], list[int]]]:
         """Checked (texts, labels) of every split, with the dev hold-out applied."""
         hf_cache = str(self.cache_root / "hf_datasets")

@@ -160,6 +160,7 @@ def validate(cfg: DictConfig) -> None:
             raise ConfigError(f"max_epochs={epochs} would train forever and the lr schedule needs a length; set "
                               f"max_epochs >= 1, or trainer.max_steps=N.")
     _int(cfg, "seed", 0)
+    _check_pretraining(cfg)
     from mhalab.train.loggers import check_installed
 
     check_installed(OmegaConf.to_container(cfg.get("logger") or {}, resolve=False))
@@ -172,6 +173,37 @@ def validate(cfg: DictConfig) -> None:
         path = checkpoint.resolve(str(cfg.ckpt_path))
         checkpoint.check_fits(path, OmegaConf.to_container(m, resolve=True),
                               OmegaConf.to_container(cfg.data, resolve=True))
+
+
+def _check_pretraining(cfg: DictConfig) -> None:
+    """pretrain=mlm's settings, and init_from's path (the encoder's shape and tokenizer are checked once the data
+    is ready: mhalab.train.pretrain.check_encoder_fits)."""
+    from mhalab.train.module import SCHEDULES
+    from mhalab.train.pretrain import OBJECTIVES
+
+    p = cfg.get("pretrain")
+    if p and cfg.get("init_from"):
+        raise ConfigError(f"pretrain={p.get('objective')} and init_from={cfg.init_from} both give the encoder's "
+                          f"weights; pass one (init_from=null to pretrain, or drop pretrain=...).")
+    if cfg.get("init_from"):
+        from mhalab.train.pretrain import resolve_init
+
+        resolve_init(cfg.init_from)
+    if not p:
+        return
+    _choice(p.get("objective"), OBJECTIVES, "pretrain.objective")
+    _int(cfg, "pretrain.epochs", 1)
+    _int(cfg, "pretrain.seed", 0)
+    mask = _float(cfg, "pretrain.mask_prob")
+    if mask is None or not 0.0 < mask < 1.0:
+        raise ConfigError(f"pretrain.mask_prob={p.get('mask_prob')} must be in (0, 1), e.g. 0.15.")
+    lr = _float(cfg, "pretrain.lr")
+    if lr is None or lr <= 0:
+        raise ConfigError(f"pretrain.lr={p.get('lr')} must be > 0, e.g. 1e-3.")
+    _choice(p.get("schedule"), SCHEDULES, "pretrain.schedule")
+    warmup = _float(cfg, "pretrain.warmup_ratio")
+    if warmup is None or not 0.0 <= warmup < 1.0:
+        raise ConfigError(f"pretrain.warmup_ratio={warmup} must be in [0, 1).")
 
 
 def instantiate(cfg, **kwargs):

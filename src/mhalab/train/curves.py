@@ -15,24 +15,34 @@ def read_log(metrics_csv: str | Path) -> pd.DataFrame:
 
 
 def loss_curves(metrics_csv: str | Path, out_png: str | Path) -> Path:
+    """Training loss per step (smoothed too) and validation loss and accuracy per epoch; for a pretraining log
+    (mhalab.train.pretrain), its masked-LM loss and masked-token accuracy per step."""
     df = read_log(metrics_csv)
     fig = Figure(figsize=(11, 4))
     ax_loss, ax_acc = fig.subplots(1, 2)
-    if "train/loss" in df:
-        tr = df.dropna(subset=["train/loss"])
-        ax_loss.plot(tr["step"], tr["train/loss"], alpha=0.35, lw=0.8, label="train/loss (per step)")
-        smooth = tr["train/loss"].rolling(max(1, len(tr) // 30), min_periods=1).mean()
-        ax_loss.plot(tr["step"], smooth, lw=1.8, label="train/loss (smoothed)")
+    for key in ("train/loss", "pretrain/loss"):
+        if key in df:
+            tr = df.dropna(subset=[key])
+            ax_loss.plot(tr["step"], tr[key], alpha=0.35, lw=0.8, label=f"{key} (per step)")
+            smooth = tr[key].rolling(max(1, len(tr) // 30), min_periods=1).mean()
+            ax_loss.plot(tr["step"], smooth, lw=1.8, label=f"{key} (smoothed)")
     if "val/loss" in df:
         va = df.dropna(subset=["val/loss"])
         ax_loss.plot(va["step"], va["val/loss"], "o-", lw=2, label="val/loss")
     ax_loss.set(xlabel="step", ylabel="cross-entropy", title="loss")
     ax_loss.legend()
+    title = "validation accuracy"
     if "val/acc" in df:
         va = df.dropna(subset=["val/acc"])
         ax_acc.plot(va["step"], va["val/acc"], "o-", color="tab:green", label="val/acc")
         ax_acc.legend()
-    ax_acc.set(xlabel="step", ylabel="accuracy", title="validation accuracy")
+    elif "pretrain/acc" in df:
+        pa = df.dropna(subset=["pretrain/acc"])
+        ax_acc.plot(pa["step"], pa["pretrain/acc"].rolling(max(1, len(pa) // 30), min_periods=1).mean(),
+                    color="tab:green", label="pretrain/acc (smoothed)")
+        ax_acc.legend()
+        title = "masked-token accuracy"
+    ax_acc.set(xlabel="step", ylabel="accuracy", title=title)
     fig.tight_layout()
     fig.savefig(out_png, dpi=110)
     return Path(out_png)

@@ -217,27 +217,7 @@ class Classifier(L.LightningModule):
                 self.log(f"{prefix}/f1_{name}", f1, sync_dist=True)  # equal on every rank: no warning
 
     def configure_optimizers(self):
-        hp = self.hparams
-        # no weight decay on biases, norms and embeddings (standard for Transformers)
-        decay = [p for n, p in self.named_parameters() if p.ndim >= 2 and "embed" not in n]
-        no_decay = [p for n, p in self.named_parameters() if not (p.ndim >= 2 and "embed" not in n)]
-        opt = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=hp.lr, betas=tuple(hp.betas), fused=self.device.type == "cuda",
-        )
-        total = max(1, int(self.trainer.estimated_stepping_batches))
-        warmup = int(hp.warmup_ratio * total)
-
-        def factor(step: int) -> float:
-            if step < warmup:
-                return (step + 1) / warmup
-            if hp.schedule == "constant":
-                return 1.0
-            progress = min(1.0, (step - warmup) / max(1, total - warmup))
-            return 0.5 * (1 + math.cos(math.pi * progress)) if hp.schedule == "cosine" else 1.0 - progress
-
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+        return adamw_with_schedule(self, self.hparams)
 
     @property
     def checkpoint_extras(self) -> dict:
@@ -258,3 +238,28 @@ class Classifier(L.LightningModule):
         self._extras = {**saved, **self._extras}  # what this process was built with wins (a resumed run)
         if counts is not None:
             self.token_counts = [int(x) for x in counts]
+
+
+def adamw_with_schedule(module: L.LightningModule, hp) -> dict:
+    """AdamW (no weight decay on biases, norms and embeddings, as is standard for Transformers) and a per-step
+    lr schedule: linear warmup over hp.warmup_ratio of the run, then cosine / linear decay to 0, or constant.
+    hp: lr, weight_decay, betas, warmup_ratio, schedule. Classifier and the masked-LM pretraining share it."""
+    decay = [p for n, p in module.named_parameters() if p.ndim >= 2 and "embed" not in n]
+    no_decay = [p for n, p in module.named_parameters() if not (p.ndim >= 2 and "embed" not in n)]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=hp.lr, betas=tuple(hp.betas), fused=module.device.type == "cuda",
+    )
+    total = max(1, int(module.trainer.estimated_stepping_batches))
+    warmup = int(hp.warmup_ratio * total)
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        if hp.schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return 0.5 * (1 + math.cos(math.pi * progress)) if hp.schedule == "cosine" else 1.0 - progress
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
+    return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}

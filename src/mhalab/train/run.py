@@ -33,7 +33,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from mhalab.errors import RunDirError, UserError
-from mhalab.train import checkpoint, experiment, record
+from mhalab.train import checkpoint, experiment, pretrain, record
 from mhalab.train.callbacks import GracefulStop, ResumeState
 from mhalab.train.config import instantiate, validate
 from mhalab.train.loggers import finish
@@ -173,8 +173,10 @@ def _write_failed(out: Path, previous: dict | None, attempts: list, cfg: DictCon
     record.write(out, rec)
 
 
-def build(cfg: DictConfig) -> tuple[L.LightningDataModule, Classifier]:
-    """Validate the config, then make the datamodule (data read, tokenizer ready) and the model."""
+def build(cfg: DictConfig, resuming: bool = False) -> tuple[L.LightningDataModule, Classifier]:
+    """Validate the config, then make the datamodule (data read, tokenizer ready) and the model; with
+    pretrain=... or init_from=..., its encoder pretrained on the train texts (mhalab.train.pretrain), unless
+    `resuming` (the checkpoint has the weights)."""
     validate(cfg)  # cheap checks before any data is read
     if cfg.get("num_threads"):
         torch.set_num_threads(int(cfg.num_threads))
@@ -187,21 +189,42 @@ def build(cfg: DictConfig) -> tuple[L.LightningDataModule, Classifier]:
     # (the data config as the datamodule resolved it: absolute paths, and what data=files inferred, so that
     # mhalab-eval rebuilds the same splits from any directory)
     extras = {"datamodule_key": type(dm).__qualname__, "data": dm.source_config()}
+    encoder = None if resuming else _pretrained(cfg, dm)
+    if encoder:
+        extras["pretrain"] = {k: v for k, v in encoder[1].items() if k not in ("model", "data")}
+        L.seed_everything(int(cfg.seed), workers=True)  # the head's init as in a run without pretraining
     module = Classifier(
         model=OmegaConf.to_container(cfg.model, resolve=True), vocab_size=dm.vocab_size,
         num_classes=dm.num_classes, label_names=dm.label_names, pad_id=dm.pad_id, compile=bool(cfg.compile),
         checkpoint_extras=extras, **OmegaConf.to_container(cfg.optim, resolve=True),
     )
+    if encoder:
+        pretrain.load_encoder(module.model, encoder[0])
     return dm, module
+
+
+def _pretrained(cfg: DictConfig, dm) -> tuple[dict, dict] | None:
+    """(state dict, meta) of the encoder to start from: pretrained now or cached (pretrain=mlm), or init_from."""
+    if cfg.get("pretrain"):
+        return pretrain.pretrained_encoder(cfg, dm)
+    if cfg.get("init_from"):
+        path = pretrain.resolve_init(cfg.init_from)
+        state, meta = pretrain.read_encoder(path)
+        pretrain.check_encoder_fits(meta, OmegaConf.to_container(cfg.model, resolve=True), dm.tokenizer_path.name,
+                                    str(cfg.init_from))
+        return state, dict(meta, cached=True)
+    return None
 
 
 def _fit_and_test(cfg: DictConfig, out: Path, rec: dict, stop: GracefulStop, ckpt_path: str | None = None
                   ) -> L.Trainer:
     if ckpt_path is None and cfg.get("ckpt_path"):
         ckpt_path = str(checkpoint.resolve(str(cfg.ckpt_path)))
-    dm, module = build(cfg)
+    dm, module = build(cfg, resuming=ckpt_path is not None)
     if rec:  # the data set as resolved: absolute paths, the columns and labels data=files found
         rec["data"] = module.checkpoint_extras["data"]
+        if "pretrain" in module.checkpoint_extras:  # where the encoder came from, and what pretraining cost
+            rec["pretrain"] = module.checkpoint_extras["pretrain"]
 
     loggers = _loggers(cfg, ckpt_path)
     callbacks = [instantiate(c) for c in (cfg.get("callbacks") or {}).values() if c is not None]
