@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -110,8 +111,8 @@ def test_pretraining_sees_every_train_token_per_epoch_and_no_validation_or_test_
     train_tokens = sum(dm.splits["train"].lengths)
     others = sum(sum(dm.splits[s].lengths) for s in ("validation", "test"))
     assert meta["tokens_seen"] == 2 * train_tokens and others > 0
-    # the loader pretraining reads yields exactly the train split's sequences
-    seen = sorted(tuple(ids[:n].tolist()) for batch in pretrain.pretraining_loader(dm)
+    # the loader pretraining reads (the datamodule's train loader) yields exactly the train split's sequences
+    seen = sorted(tuple(ids[:n].tolist()) for batch in dm.train_dataloader()
                   for ids, n in zip(batch["input_ids"], batch["lengths"].tolist()))
     train = sorted(tuple(dm.splits["train"][i][0].tolist()) for i in range(len(dm.splits["train"])))
     assert seen == train
@@ -135,6 +136,36 @@ def test_a_second_fine_tuning_reuses_the_cached_encoder_and_another_shape_or_hol
     for other in (["dim=48"], ["seed=1"]):
         c = compose_train(ov + other, tmp / "run3", data, cache)
         assert pretrain.cache_dir(c, build(c)[0]) != first, other
+
+
+def test_an_interrupted_pretraining_resumes_mid_epoch_to_the_same_weights(tmp_path, toy_data_dir):
+    """SIGTERM at step 20 of 26 (13 batches an epoch: mid-epoch 1): last.ckpt is saved, no encoder.pt; the next call
+    continues from it
+    and ends with the weights, token count and log of a pretraining that was never stopped."""
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    from mhalab.train.callbacks import SimulateSignal
+
+    ov = ["pretrain=mlm", "pretrain.epochs=2", "dropout=0.1"]
+    whole = compose_train(ov, tmp_path / "a", toy_data_dir, tmp_path / "cache_a")
+    ref, ref_meta = pretrain.pretrained_encoder(whole, build(compose_train([], tmp_path / "a", toy_data_dir,
+                                                                           tmp_path / "cache_a"))[0])
+    cfg = compose_train(ov, tmp_path / "b", toy_data_dir, tmp_path / "cache_b")
+    dm = build(compose_train([], tmp_path / "b", toy_data_dir, tmp_path / "cache_b"))[0]
+    d = pretrain.cache_dir(cfg, dm)
+    with pytest.raises(SIGTERMException):
+        pretrain.pretrained_encoder(cfg, dm, callbacks=(SimulateSignal(at_step=20),))
+    assert (d / "checkpoints" / "last.ckpt").exists() and not (d / pretrain.WEIGHTS).exists()
+    dm = build(compose_train([], tmp_path / "b", toy_data_dir, tmp_path / "cache_b"))[0]  # a new process's
+    state, meta = pretrain.pretrained_encoder(cfg, dm)
+    assert meta["cached"] is False and meta["global_step"] == ref_meta["global_step"] == 26
+    for k, v in ref.items():
+        torch.testing.assert_close(state[k], v, atol=1e-6, rtol=0, msg=k)
+    assert meta["tokens_seen"] == ref_meta["tokens_seen"] == 2 * sum(dm.splits["train"].lengths)
+    def steps(run: Path) -> list[int]:
+        return [int(x.split(",")[-1]) for x in (run / "logs" / "metrics.csv").read_text().splitlines()[1:]]
+
+    assert steps(d) == steps(Path(ref_meta["dir"]))  # the log reads as one run
 
 
 def test_init_from_loads_the_encoder_and_refuses_another_shape_or_tokenizer(pretrained):

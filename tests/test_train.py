@@ -163,16 +163,21 @@ def _train_cmd(tmp: Path, data: Path, *extra: str) -> list[str]:
             "data.vocab_size=200", "data.min_frequency=1", *extra]
 
 
-def test_ddp_cpu_runs_two_processes(tmp_path, toy_data_dir):
+def test_ddp_cpu_runs_two_processes_that_fine_tune_one_pretrained_encoder(tmp_path, toy_data_dir):
     out = tmp_path / "ddp"
-    proc = subprocess.run(_train_cmd(out, toy_data_dir, "trainer=ddp_cpu", "max_epochs=1", "test_after_fit=false"),
+    proc = subprocess.run(_train_cmd(out, toy_data_dir, "trainer=ddp_cpu", "max_epochs=1", "test_after_fit=false",
+                                     "pretrain=mlm", "pretrain.epochs=2"),
                           check=False, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "Initializing distributed: GLOBAL_RANK: 1, MEMBER: 2/2" in proc.stderr + proc.stdout
+    log = proc.stderr + proc.stdout
+    assert "Initializing distributed: GLOBAL_RANK: 1, MEMBER: 2/2" in log
     rec = json.loads((out / "metrics.json").read_text())
     # 400 train rows = 25 batches of 16, dealt to 2 ranks: 12 steps each (the odd batch, a different
     # one each epoch, is left out so both ranks step together); one process alone would take 25
     assert rec["status"] == "finished" and rec["global_step"] == 12
+    # rank 0 pretrained once, on one device (2 epochs of 25 batches), before the ranks started; rank 1 read it
+    assert rec["pretrain"]["cached"] is False and rec["pretrain"]["global_step"] == 50
+    assert log.count("starting masked-LM pretraining") == 1 and log.count("pretrained encoder from the cache") == 1
 
 
 def test_eval_script_reproduces_the_runs_test_metrics_from_the_checkpoint_alone(trained_run):

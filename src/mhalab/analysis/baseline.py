@@ -8,7 +8,8 @@ seeded dev hold-out where the data set has no dev file: TREC, IMDB), read by the
 
 The model: scikit-learn's TfidfVectorizer (sublinear tf, word n-grams) + LogisticRegression. The n-gram
 range and C are chosen on the validation split (GRID), never on test; the chosen model's test accuracy is
-reported. With a held-out dev split each seed holds out a different 10%, so each seed is one sample.
+reported. With a held-out dev split each seed holds out a different 10%, so each seed is one sample; with a
+dev file every seed has the same splits and the same (deterministic) fit, so one is fitted.
 """
 
 from __future__ import annotations
@@ -47,13 +48,18 @@ def fit_baseline(splits: dict[str, tuple[list[str], list[int]]], lowercase: bool
     for ngram in NGRAMS:
         vec = TfidfVectorizer(ngram_range=ngram, sublinear_tf=True, lowercase=lowercase)
         xtr, xva = vec.fit_transform(train_x), vec.transform(val_x)  # the vocabulary and idf from train only
+        # along the regularisation path: each C starts from the previous C's solution (warm start), ~2.5x faster
+        clf = LogisticRegression(max_iter=3000, warm_start=True)
         for c in CS:
-            clf = LogisticRegression(C=c, max_iter=3000).fit(xtr, train_y)
+            clf.set_params(C=c).fit(xtr, train_y)
             acc = float((clf.predict(xva) == val_y).mean())
             grid.append({"ngram": list(ngram), "C": c, "val_acc": acc})
             if best is None or acc > best[0]:  # ties: the simpler (fewer n-grams, smaller C) wins
-                best = (acc, ngram, c, vec, clf)
-    _, ngram, c, vec, clf = best
+                best = (acc, ngram, c, vec)
+    _, ngram, c, vec = best
+    # the chosen model fitted from scratch, as plain scikit-learn would (the warm path's optimum may differ in the
+    # last digits), so that anyone can reproduce the reported numbers
+    clf = LogisticRegression(C=c, max_iter=3000).fit(vec.transform(train_x), train_y)
     import numpy as np
 
     result = {"ngram": list(ngram), "C": c, "grid": grid}
@@ -82,9 +88,11 @@ def run_baseline(data_cfg: dict, seeds: list[int]) -> dict:
     for seed in seeds:
         raw, dm = _splits(data_cfg, seed)
         per_seed.append({"seed": seed, **fit_baseline(raw, lowercase=dm.lowercase)})
+        if not dm.dev_split:  # the splits are the files': every seed would fit the same model
+            break
     keys = [k for k in per_seed[0] if k.endswith("/acc")]
     mean = {k: sum(r[k] for r in per_seed) / len(per_seed) for k in keys}
-    return {"data": dm.name, "model": "tfidf+logreg", "seeds": list(seeds),
+    return {"data": dm.name, "model": "tfidf+logreg", "seeds": [r["seed"] for r in per_seed],
             "rows": {s: len(raw[s][0]) for s in raw}, "mean": mean, "per_seed": per_seed,
             "cpu_seconds": sum(r["seconds"] for r in per_seed)}
 
@@ -100,14 +108,14 @@ def command(cfg: DictConfig) -> dict:
                           f" must be a list of integers >= 0, e.g. seeds=[0,1,2].")
     _sklearn()  # before any file is read
     res = run_baseline(OmegaConf.to_container(cfg.data, resolve=True), seeds)
-    table = Table(title=f"TF-IDF + logistic regression on {res['data']} ({len(seeds)} seed(s), "
+    table = Table(title=f"TF-IDF + logistic regression on {res['data']} ({len(res['seeds'])} seed(s), "
                         f"{res['cpu_seconds']:.1f} s)")
     for col in ("seed", "n-grams", "C", *(k for k in res["mean"])):
         table.add_column(col, justify="right")
     for r in res["per_seed"]:
         table.add_row(str(r["seed"]), "-".join(map(str, r["ngram"])), f"{r['C']:g}",
                       *(f"{100 * r[k]:.1f}" for k in res["mean"]))
-    if len(seeds) > 1:
+    if len(res["seeds"]) > 1:
         table.add_row("mean", "", "", *(f"{100 * v:.1f}" for v in res["mean"].values()))
     Console().print(table)
     if cfg.out:

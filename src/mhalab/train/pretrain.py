@@ -115,13 +115,14 @@ def _locked(path: Path):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def pretrained_encoder(cfg: DictConfig, dm) -> tuple[dict, dict]:
-    """(the encoder's state dict, its meta) for this config: read from the cache, or pretrained now."""
+def pretrained_encoder(cfg: DictConfig, dm, callbacks: tuple = ()) -> tuple[dict, dict]:
+    """(the encoder's state dict, its meta) for this config: read from the cache, or pretrained now (with these
+    Lightning callbacks added, e.g. SimulateSignal to rehearse an interruption)."""
     d = cache_dir(cfg, dm)
     if not (d / WEIGHTS).exists():
         with _locked(d.with_suffix(".lock")):
             if not (d / WEIGHTS).exists():  # another process may have finished it while we waited
-                _pretrain(cfg, dm, d)
+                _pretrain(cfg, dm, d, callbacks)
                 state, meta = read_encoder(d / WEIGHTS)
                 return state, dict(meta, cached=False)
     state, meta = read_encoder(d / WEIGHTS)
@@ -129,13 +130,11 @@ def pretrained_encoder(cfg: DictConfig, dm) -> tuple[dict, dict]:
     return state, dict(meta, cached=True)
 
 
-def pretraining_loader(dm):
-    """The texts pretraining sees: the train split only (without its dev hold-out), shuffled as training is."""
-    return dm.train_dataloader()
+def _pretrain(cfg: DictConfig, dm, d: Path, extra_callbacks: tuple = ()) -> None:
+    """Masked-LM on the train split, on one device; encoder.pt written last (it marks the dir complete).
 
-
-def _pretrain(cfg: DictConfig, dm, d: Path) -> None:
-    """Masked-LM on the train split, on one device; encoder.pt written last (it marks the dir complete)."""
+    The datamodule's train loader is the only data (no validation: limit_val_batches=0), so the datamodule's
+    state (the sampler's position) is saved in last.ckpt and a resumed pretraining continues mid-epoch exactly."""
     p = OmegaConf.to_container(cfg.pretrain, resolve=True)
     model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
     t = cfg.trainer
@@ -152,14 +151,14 @@ def _pretrain(cfg: DictConfig, dm, d: Path) -> None:
                                 if resume else 0)
     callbacks = [ModelCheckpoint(dirpath=d / "checkpoints", every_n_train_steps=200, save_top_k=0, save_last=True,
                                  enable_version_counter=False),
-                 GracefulStop(d / "checkpoints"), ResumeState()]
+                 GracefulStop(d / "checkpoints"), ResumeState(), *extra_callbacks]
     trainer = L.Trainer(accelerator=t.accelerator, devices=1, precision=t.precision, max_epochs=int(p["epochs"]),
                         gradient_clip_val=t.get("gradient_clip_val"), log_every_n_steps=t.log_every_n_steps,
                         limit_train_batches=t.get("limit_train_batches"), limit_val_batches=0, num_sanity_val_steps=0, use_distributed_sampler=False,
                         enable_progress_bar=t.enable_progress_bar, enable_model_summary=False, logger=logger,
                         callbacks=callbacks, default_root_dir=str(d))
     t0 = time.time()
-    trainer.fit(module, train_dataloaders=pretraining_loader(dm), ckpt_path=resume, weights_only=True)
+    trainer.fit(module, datamodule=dm, ckpt_path=resume, weights_only=True)  # train_dataloader(): train split only
     seconds = time.time() - t0
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     previous = json.loads((d / "meta.json").read_text()) if resume and (d / "meta.json").exists() else {}
@@ -225,5 +224,13 @@ def load_encoder(classifier: SequenceClassifier, state: dict) -> None:
                               f"unexpected {unexpected}).")
 
 
-__all__ = ["MaskedLMModule", "OBJECTIVES", "cache_dir", "check_encoder_fits", "load_encoder", "pretrained_encoder",
-           "read_encoder", "resolve_init"]
+__all__ = [
+    "OBJECTIVES",
+    "MaskedLMModule",
+    "cache_dir",
+    "check_encoder_fits",
+    "load_encoder",
+    "pretrained_encoder",
+    "read_encoder",
+    "resolve_init",
+]
