@@ -29,6 +29,8 @@ from mhalab.errors import ConfigError, one_line_errors
 from mhalab.train import record
 
 DEFAULT = "(default)"
+HEADER = ("| setting | seeds | val acc | test acc [95% CI] | test vs default [95% CI] | fit min / run "
+          "| pretraining min (encoders) |")
 SKIP = ("num_threads", "trainer.accelerator")  # beside conf/train.yaml's exclude_keys: speed, not results
 # from-scratch results in the papers (no external data, embeddings or weights), test accuracy in %
 ANCHORS = {
@@ -94,9 +96,7 @@ def table(df: pd.DataFrame, baselines: Path | None) -> str:
     for data, sub in df.groupby("data", sort=True):
         groups = {s: g for s, g in sub.groupby("setting")}
         ref = {m: _group(groups[DEFAULT], m) for m in ("val", "test")} if DEFAULT in groups else {}
-        out += [f"### {data}", "",
-                "| setting | seeds | val acc | test acc [95% CI] | test vs default [95% CI] | fit min / run | "
-                "pretraining min (encoders) |", "|---|---|---|---|---|---|---|"]
+        out += [f"### {data}", "", HEADER, "|---|---|---|---|---|---|---|"]
         order = sorted(groups, key=lambda s: -groups[s]["val"].mean())
         for s in order:
             g = groups[s]
