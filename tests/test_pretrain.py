@@ -132,8 +132,9 @@ def test_a_second_fine_tuning_reuses_the_cached_encoder_and_another_shape_or_hol
     for k, v in enc.items():  # fine-tuning starts from the pretrained weights, all but the head
         torch.testing.assert_close(module.model.state_dict()[k], v, atol=0, rtol=0)
     # the model's shape does; so does the seed of a held-out dev split: its train texts are another 75%,
-    # and pretraining on the old ones would show the model this seed's validation texts
-    for other in (["dim=48"], ["seed=1"]):
+    # and pretraining on the old ones would show the model this seed's validation texts; and a debugging cut
+    # (2 batches an epoch): its encoder must never stand in for a full pretraining
+    for other in (["dim=48"], ["seed=1"], ["trainer.limit_train_batches=2"]):
         c = compose_train(ov + other, tmp / "run3", data, cache)
         assert pretrain.cache_dir(c, build(c)[0]) != first, other
 

@@ -10,9 +10,11 @@ Only the train split's texts are pretrained on (the datamodule's train loader: w
 train without the hold-out); never validation or test (tests/test_pretrain.py checks the ids seen).
 
 The pretrained encoder is cached under <paths.cache_dir>/pretrain/<data set>/mlm-<digest>/, the digest of
-everything its weights depend on: the encoded train split (data files, tokenizer, max_len), the model's shape
-and dropout, the pretraining settings, batch size and batching. A sweep over fine-tuning settings (seed, lr,
-epochs, ...) pretrains once per model shape; a second process waits on the dir's lock and reuses the result.
+everything its weights depend on: the encoded train split (data files, tokenizer, max_len, and the seed's dev
+hold-out where the data set has one), the model's shape and dropout, the pretraining settings, batch size,
+batching, precision, and the trainer's debugging cuts (limit_train_batches, fast_dev_run, overfit_batches),
+which pretraining obeys too. A sweep over fine-tuning settings (seed, lr, epochs, ...) pretrains once per model
+shape; a second process waits on the dir's lock and reuses the result.
 The dir holds encoder.pt (the weights and meta.json's facts), logs/metrics.csv and loss_curves.png (the
 masked-LM loss and accuracy per step), and checkpoints/last.ckpt while it runs: an interrupted pretraining
 continues from there when the run is started again.
@@ -51,6 +53,7 @@ OBJECTIVES = ("mlm",)
 WEIGHTS = "encoder.pt"
 CACHE_VERSION = 1  # bump when the pretraining recipe changes what the same settings produce
 NOT_WEIGHTS = ("block_min_scores", "query_block")  # model settings that change speed, never the weights
+DEBUG_CUTS = {"limit_train_batches": 1.0, "fast_dev_run": False, "overfit_batches": 0.0}  # trainer keys: defaults
 
 
 class MaskedLMModule(L.LightningModule):
@@ -99,8 +102,15 @@ def cache_dir(cfg: DictConfig, dm) -> Path:
     p = OmegaConf.to_container(cfg.pretrain, resolve=True)
     key = {"version": CACHE_VERSION, "tokens": dm.encoded_dir.name,
            "model": weight_settings(OmegaConf.to_container(cfg.model, resolve=True)), "pretrain": p,
-           "batch_size": dm.batch_size, "batching": dm.batching, "tokens_per_batch": dm.tokens_per_batch}
+           "batch_size": dm.batch_size, "batching": dm.batching, "tokens_per_batch": dm.tokens_per_batch,
+           "precision": str(cfg.trainer.precision)}
+    key.update(_debug_cuts(cfg))  # a debugging cut (debug=fast, the README test's 2 batches) is another encoder
     return dm.cache_root / "pretrain" / dm.name / f"{p['objective']}-{digest(key)}"
+
+
+def _debug_cuts(cfg: DictConfig) -> dict:
+    """The trainer's debugging cuts in force (DEBUG_CUTS away from their defaults): pretraining obeys them too."""
+    return {k: cfg.trainer.get(k) for k, default in DEBUG_CUTS.items() if cfg.trainer.get(k, default) != default}
 
 
 @contextmanager
@@ -154,8 +164,8 @@ def _pretrain(cfg: DictConfig, dm, d: Path, extra_callbacks: tuple = ()) -> None
                  GracefulStop(d / "checkpoints"), ResumeState(), *extra_callbacks]
     trainer = L.Trainer(accelerator=t.accelerator, devices=1, precision=t.precision, max_epochs=int(p["epochs"]),
                         gradient_clip_val=t.get("gradient_clip_val"), log_every_n_steps=t.log_every_n_steps,
-                        limit_train_batches=t.get("limit_train_batches"), limit_val_batches=0, num_sanity_val_steps=0, use_distributed_sampler=False,
-                        enable_progress_bar=t.enable_progress_bar, enable_model_summary=False, logger=logger,
+                        limit_val_batches=0, num_sanity_val_steps=0, use_distributed_sampler=False,
+                        **_debug_cuts(cfg), enable_progress_bar=t.enable_progress_bar, enable_model_summary=False, logger=logger,
                         callbacks=callbacks, default_root_dir=str(d))
     t0 = time.time()
     trainer.fit(module, datamodule=dm, ckpt_path=resume, weights_only=True)  # train_dataloader(): train split only
