@@ -40,6 +40,7 @@ COMPOSE_ONLY = {"trainer=ddp": "needs GPUs", "hydra/launcher=slurm": "needs a SL
                 "sweep=heads_gpu": "a GPU's sweep (tests/test_config_options.py trains its first member on CPU)"}
 NOT_RUN = {("make", "test"): "this suite itself: CI runs it"}
 SCRIPTS = ("mhalab-train", "mhalab-eval", "mhalab-predict", "mhalab-report", "mhalab-bench", "mhalab-compare",
+           "mhalab-baseline", "mhalab-accuracy",
            "mhalab-attention-map", "mhalab-lra-table", "mhalab-claims")  # pyproject's [project.scripts]
 
 

@@ -102,8 +102,9 @@ def cache_dir(cfg: DictConfig, dm) -> Path:
     p = OmegaConf.to_container(cfg.pretrain, resolve=True)
     key = {"version": CACHE_VERSION, "tokens": dm.encoded_dir.name,
            "model": weight_settings(OmegaConf.to_container(cfg.model, resolve=True)), "pretrain": p,
-           "batch_size": dm.batch_size, "batching": dm.batching, "tokens_per_batch": dm.tokens_per_batch,
-           "precision": str(cfg.trainer.precision)}
+           "batch_size": dm.batch_size, "batching": dm.batching, "tokens_per_batch": dm.tokens_per_batch}
+    if str(cfg.trainer.precision) != "32-true":  # (absent for float32: the encoders cached before it stay valid)
+        key["precision"] = str(cfg.trainer.precision)
     key.update(_debug_cuts(cfg))  # a debugging cut (debug=fast, the README test's 2 batches) is another encoder
     return dm.cache_root / "pretrain" / dm.name / f"{p['objective']}-{digest(key)}"
 
