@@ -149,6 +149,16 @@ CASES = [
          "column with the texts>."),
     Case("attention-map-ckpt-missing", "scripts/attention_map.py", [f"ckpt_path={MISSING}", "text=hi"],
          f"ckpt_path={MISSING} does not exist; pass a .ckpt file or a run dir."),
+    Case("baseline-bad-seeds", "mhalab-baseline", ["seeds=[-1]"],
+         "seeds=[-1] must be a list of integers >= 0, e.g. seeds=[0,1,2]."),
+    Case("accuracy-not-a-folder", "mhalab-accuracy", ["{tmp}/no-such-dir"],
+         "{tmp}/no-such-dir is not a folder; give the folder that holds the run dirs"),
+    # ---------------------------------------------------------------- self-pretraining
+    Case("init-from-missing", "train.py", ["init_from={tmp}/no-such-dir"],
+         "init_from={tmp}/no-such-dir does not exist; pass a pretraining dir (<cache>/pretrain/<data>/mlm-...) or "
+         "its encoder.pt."),
+    Case("pretrain-mask-prob", "train.py", ["pretrain=mlm", "pretrain.mask_prob=0"],
+         "pretrain.mask_prob=0 must be in (0, 1), e.g. 0.15."),
 ]
 
 SMALL = ["trainer=cpu", "trainer.enable_progress_bar=false", "callbacks.progress_bar=null", "dim=32",

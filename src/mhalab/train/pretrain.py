@@ -198,7 +198,8 @@ def resolve_init(path: str | Path) -> Path:
     if p.is_dir():
         p = p / WEIGHTS
     if not p.is_file():
-        raise CheckpointError(f"init_from={path} does not exist (looked for {p}); pass a pretraining dir "
+        looked = f" (looked for {p})" if p != Path(path) else ""
+        raise CheckpointError(f"init_from={path} does not exist{looked}; pass a pretraining dir "
                               f"(<cache>/pretrain/<data>/mlm-...) or its {WEIGHTS}.")
     return p
 
