@@ -139,6 +139,16 @@ def test_a_second_fine_tuning_reuses_the_cached_encoder_and_another_shape_or_hol
         assert pretrain.cache_dir(c, build(c)[0]) != first, other
 
 
+def test_fine_tuning_from_the_cache_equals_fine_tuning_right_after_pretraining(pretrained):
+    """The run that pretrained and a later run that found the encoder cached train the same model, to the digit."""
+    again = compose_train(pretrained["overrides"], pretrained["tmp"] / "again", pretrained["data"], pretrained["cache"])
+    run(again)
+    rec = json.loads((pretrained["tmp"] / "again" / "metrics.json").read_text())
+    assert rec["pretrain"]["cached"] is True and rec["pretrain"]["dir"] == pretrained["record"]["pretrain"]["dir"]
+    assert rec["best"]["val/loss"] == pretrained["record"]["best"]["val/loss"]
+    assert rec["best"]["test/loss"] == pretrained["record"]["best"]["test/loss"]
+
+
 def test_an_interrupted_pretraining_resumes_mid_epoch_to_the_same_weights(tmp_path, toy_data_dir):
     """SIGTERM at step 20 of 26 (13 batches an epoch: mid-epoch 1): last.ckpt is saved, no encoder.pt; the next call
     continues from it
