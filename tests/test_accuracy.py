@@ -52,3 +52,6 @@ def test_settings_group_their_seeds_and_the_effect_is_a_paired_t_interval(tmp_pa
     assert "CNN-rand 91.2" in md
     # the best setting by validation first
     assert md.index("`dropout=0.1 lr=2e-3`") < md.index("`(default)`")
+    # the per-run CSV gives the same table
+    df.to_csv(tmp_path / "runs.csv", index=False)
+    assert table(collect(tmp_path / "runs.csv"), tmp_path / "b") == md

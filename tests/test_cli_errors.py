@@ -151,8 +151,8 @@ CASES = [
          f"ckpt_path={MISSING} does not exist; pass a .ckpt file or a run dir."),
     Case("baseline-bad-seeds", "mhalab-baseline", ["seeds=[-1]"],
          "seeds=[-1] must be a list of integers >= 0, e.g. seeds=[0,1,2]."),
-    Case("accuracy-not-a-folder", "mhalab-accuracy", ["{tmp}/no-such-dir"],
-         "{tmp}/no-such-dir is not a folder; give the folder that holds the run dirs"),
+    Case("accuracy-no-such-dir", "mhalab-accuracy", ["{tmp}/no-such-dir"],
+         "{tmp}/no-such-dir does not exist; give the folder that holds the run dirs (or a runs CSV)"),
     # ---------------------------------------------------------------- self-pretraining
     Case("init-from-missing", "train.py", ["init_from={tmp}/no-such-dir"],
          "init_from={tmp}/no-such-dir does not exist; pass a pretraining dir (<cache>/pretrain/<data>/mlm-...) or "

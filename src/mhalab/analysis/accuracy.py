@@ -1,6 +1,7 @@
 """The accuracy table: training runs grouped by setting, beside the TF-IDF baseline and the papers' anchors.
 
-    mhalab-accuracy <runs dir> [baselines=results/baselines] [out=results/pretraining/README.md]
+    mhalab-accuracy <runs dir> [baselines=results/baselines] [out=results/pretraining/README.md] [csv=runs.csv]
+    mhalab-accuracy results/pretraining/runs.csv        # the same table from the per-run CSV it wrote
 
 <runs dir> holds run dirs (any depth) with a metrics.json each. A run's setting is its command-line overrides
 less the seed and the keys that do not change results (conf/train.yaml's exclude_keys, num_threads, the
@@ -46,10 +47,14 @@ class Options:
     baselines: str | None = field(default="results/baselines",
                                   metadata=doc("dir of mhalab-baseline's <data set>.json (null: no baseline row)"))
     out: str | None = field(default=None, metadata=doc("also write the markdown table to this file"))
+    csv: str | None = field(default=None, metadata=doc("write the per-run rows to this CSV (a table's source)"))
 
 
 def collect(root: str | Path) -> pd.DataFrame:
-    """One row per finished run: data, setting, seed, val, test, fit_min, pretrain_min, pretrain_dir."""
+    """One row per finished run: data, setting, seed, val, test, fit_min, pretrain_min, pretrain_dir (the encoder's
+    cache dir), run. `root`: a dir of run dirs, or a CSV of these rows (as `csv=` writes it)."""
+    if Path(root).is_file():
+        return pd.read_csv(root)
     skip = set(default_non_result_keys()) | set(SKIP) | {"data"}
     rows = []
     for d in find_member_dirs(root):
@@ -119,11 +124,15 @@ def table(df: pd.DataFrame, baselines: Path | None) -> str:
 
 @one_line_errors
 def main(argv: list[str] | None = None) -> int:
-    root, rest = split_dir(sys.argv[1:] if argv is None else argv, "mhalab-accuracy <runs dir> [baselines=DIR] [out=FILE]")
+    usage = "mhalab-accuracy <runs dir or runs.csv> [baselines=DIR] [out=FILE] [csv=FILE]"
+    root, rest = split_dir(sys.argv[1:] if argv is None else argv, usage)
     opts = parse(Options, rest, "mhalab-accuracy", __doc__.splitlines()[0])
-    if not root.is_dir():
-        raise ConfigError(f"{root} is not a folder; give the folder that holds the run dirs")
-    emit(table(collect(root), Path(opts.baselines) if opts.baselines else None), opts.out)
+    if not root.exists():
+        raise ConfigError(f"{root} does not exist; give the folder that holds the run dirs (or a runs CSV)")
+    df = collect(root)
+    if opts.csv:
+        df.to_csv(opts.csv, index=False)
+    emit(table(df, Path(opts.baselines) if opts.baselines else None), opts.out)
     return 0
 
 
