@@ -39,9 +39,14 @@ def test_claims_table_has_each_sweeps_verdict_and_effect_as_the_report_decides(t
     assert (f"| dropout 0.1 | trec | [dropout](trec/dropout/report.md) | **supported** | {100 * h.effect:+.1f} "
             f"[{100 * h.ci_low:+.1f}, {100 * h.ci_high:+.1f}] vs dropout=0.3 |") in text
     assert "| ff_dim = 4 x embed_dim | sst5 | [ff_ratio](sst5/ff_ratio/report.md) | **no practical difference** |" in text
-    assert "| trec | dropout | 15 (15) | 0.25 h | dropout=0.1: 83.0 / 83.0 | dim 128, 2 layers, 10 epochs (~770 steps) |" in text
+    assert ("| trec | dropout | 15 (15) | 0.25 h | dropout=0.1: 83.0 / 83.0 | – | dim 128, 2 layers, 10 epochs (~770 "
+            "steps) |") in text
+    # the bag-of-words bar beside each sweep of a data set mhalab-baseline has a JSON for
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "trec.json").write_text('{"mean": {"validation/acc": 0.858, "test/acc": 0.881}}')
+    assert "| 0.25 h | dropout=0.1: 83.0 / 83.0 | 85.8 / 88.1 | dim 128" in render(tmp_path, baselines=tmp_path / "b")
     out = tmp_path / "table.md"
-    assert main([str(tmp_path), f"out={out}"]) == 0
+    assert main([str(tmp_path), f"out={out}", "baselines=null"]) == 0
     assert out.read_text() == text
     assert capsys.readouterr().out.startswith("# The article's claims, tested")
 

@@ -11,6 +11,7 @@ per sweep: its runs, CPU time and best cell.
 
 from __future__ import annotations
 
+import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -56,8 +57,9 @@ def sweep_rows(data: str, preset: str, csv: Path, margin: float | None) -> tuple
     summary = summarize_settings(df, METRIC)
     best = summary.iloc[0] if len(summary) and summary.iloc[0]["n"] else None
     wall = pd.to_numeric(df["wall_time_s"], errors="coerce").fillna(0).sum()
+    names = df["dataset"].dropna() if "dataset" in df else pd.Series(dtype=object)
     info = {"data": data, "preset": preset, "runs": len(df), "finished": int(ok.sum()),
-            "cpu_h": wall / 3600, "scale": _scale(df),
+            "cpu_h": wall / 3600, "scale": _scale(df), "dataset": names.iloc[0] if len(names) else data,
             "best": None if best is None else (_without_data(best["setting"]), best["best_val_acc_mean"],
                                                best["test_acc_mean"])}
     rows = []
@@ -71,7 +73,16 @@ def sweep_rows(data: str, preset: str, csv: Path, margin: float | None) -> tuple
     return rows, info
 
 
-def render(root: Path, margin: float | None = None) -> str:
+def _baseline(baselines: Path | None, dataset: str) -> str:
+    """The TF-IDF + logistic regression bar (mhalab-baseline's JSON for this data set): 'val / test', or '–'."""
+    path = baselines / f"{dataset}.json" if baselines else None
+    if not path or not path.is_file():
+        return "–"
+    mean = json.loads(path.read_text())["mean"]
+    return f"{100 * mean['validation/acc']:.1f} / {100 * mean['test/acc']:.1f}"
+
+
+def render(root: Path, margin: float | None = None, baselines: Path | None = None) -> str:
     sweeps = find_sweeps(root)
     if not sweeps:
         raise ConfigError(f"no <data set>/<preset>/{RESULTS_CSV} under {root}: give the folder that `make sweeps` "
@@ -104,14 +115,15 @@ def render(root: Path, margin: float | None = None) -> str:
             design += "; lr tuned per group"
         L.append(f"| {r['claim']} | {r['data']} | [{r['preset']}]({r['data']}/{r['preset']}/report.md) | "
                  f"**{r['verdict']}** | {eff} | {p_cell(h)} | {r['seeds']} | {design} | {r['scale']} |")
-    L += ["", ("Per sweep: runs, CPU time (the members' wall time summed; two ran at a time on 2 cores) and the best "
-               "cell (mean over seeds):"), "",
-          "| data set | preset | runs (finished) | CPU time | best cell: val / test acc | scale |",
-          "|---|---|---|---|---|---|"]
+    L += ["", ("Per sweep: runs, CPU time (the members' wall time summed; two ran at a time on 2 cores), the best "
+               "cell (mean over seeds), and the bar a bag of words sets on the same splits (TF-IDF + logistic "
+               "regression, `mhalab-baseline data=<set>`):"), "",
+          "| data set | preset | runs (finished) | CPU time | best cell: val / test acc | TF-IDF + LR: val / test | scale |",
+          "|---|---|---|---|---|---|---|"]
     for i in infos:
         best = "–" if i["best"] is None else f"{i['best'][0]}: {i['best'][1] * 100:.1f} / {i['best'][2] * 100:.1f}"
         L.append(f"| {i['data']} | {i['preset']} | {i['runs']} ({i['finished']}) | {i['cpu_h']:.2f} h | {best} | "
-                 f"{i['scale']} |")
+                 f"{_baseline(baselines, i['dataset'])} | {i['scale']} |")
     L += ["", f"At the article's width on a GPU: {GPU_PRESETS}, then `mhalab-report` on the sweep dir.", ""]
     return "\n".join(L)
 
@@ -122,6 +134,8 @@ class ClaimsOptions:
 
     out: str | None = field(default=None, metadata=doc("also write the table to this file"))
     margin: float | None = field(default=None, metadata=doc("the equivalence margin in points (null: 1)"))
+    baselines: str | None = field(default="results/baselines",
+                                  metadata=doc("dir of mhalab-baseline's <data set>.json, the bar beside each sweep"))
 
 
 USAGE = "mhalab-claims <results folder> [out=results/sweeps/README.md] [margin=1]"
@@ -133,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     opts = parse(ClaimsOptions, words, "mhalab-claims", __doc__.splitlines()[0])
     if not root.is_dir():
         raise ConfigError(f"{root} is not a folder; give the folder that `make sweeps` fills (results/sweeps)")
-    emit(render(root, opts.margin), opts.out)
+    emit(render(root, opts.margin, Path(opts.baselines) if opts.baselines else None), opts.out)
     return 0
 
 
