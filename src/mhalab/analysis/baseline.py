@@ -49,20 +49,16 @@ def fit_baseline(splits: dict[str, tuple[list[str], list[int]]], lowercase: bool
     for ngram in NGRAMS:
         vec = TfidfVectorizer(ngram_range=ngram, sublinear_tf=True, lowercase=lowercase)
         xtr, xva = vec.fit_transform(train_x), vec.transform(val_x)  # the vocabulary and idf from train only
-        # along the regularisation path: each C starts from the previous C's solution (warm start). Newton-CG: the
-        # same multinomial L2 objective as the default lbfgs, in ~5 iterations where lbfgs took ~80 (TREC: 0.9 s a
-        # fit against 8.4 s here)
-        clf = LogisticRegression(solver=SOLVER, max_iter=3000, warm_start=True)
+        # Newton-CG: the same multinomial L2 objective as the default lbfgs, in ~5 iterations where lbfgs took ~80
+        # (TREC: 0.9 s a fit against 8.4 s here). Each C from scratch: warm-starting along the C path left
+        # newton-cg at the previous C's solution (SST-2: the same accuracy for C = 2 ... 32)
         for c in CS:
-            clf.set_params(C=c).fit(xtr, train_y)
+            clf = LogisticRegression(C=c, solver=SOLVER, max_iter=3000).fit(xtr, train_y)
             acc = float((clf.predict(xva) == val_y).mean())
             grid.append({"ngram": list(ngram), "C": c, "val_acc": acc})
             if best is None or acc > best[0]:  # ties: the simpler (fewer n-grams, smaller C) wins
-                best = (acc, ngram, c, vec)
-    _, ngram, c, vec = best
-    # the chosen model fitted from scratch, as plain scikit-learn would (the warm path's optimum may differ in the
-    # last digits), so that anyone can reproduce the reported numbers
-    clf = LogisticRegression(C=c, solver=SOLVER, max_iter=3000).fit(vec.transform(train_x), train_y)
+                best = (acc, ngram, c, vec, clf)
+    _, ngram, c, vec, clf = best
     import numpy as np
 
     result = {"ngram": list(ngram), "C": c, "grid": grid}
