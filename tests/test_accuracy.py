@@ -15,7 +15,8 @@ from mhalab.train import record
 # (setting's overrides, seed, val, test)
 RUNS = [([], 0, 0.80, 0.81), ([], 1, 0.78, 0.80), ([], 2, 0.79, 0.84),
         (["lr=2e-3", "dropout=0.1"], 0, 0.85, 0.86), (["dropout=0.1", "lr=2e-3"], 1, 0.84, 0.83),
-        (["lr=2e-3", "dropout=0.1", "num_threads=1"], 2, 0.86, 0.88)]
+        (["lr=2e-3", "dropout=0.1", "num_threads=1"], 2, 0.86, 0.88),
+        (["pretrain=mlm"], 0, 0.81, 0.85), (["pretrain=mlm"], 1, 0.80, 0.85), (["pretrain=mlm"], 2, 0.80, 0.86)]
 
 
 def _write_runs(root):
@@ -33,7 +34,7 @@ def _write_runs(root):
 def test_settings_group_their_seeds_and_the_effect_is_a_paired_t_interval(tmp_path):
     _write_runs(tmp_path / "runs")
     df = collect(tmp_path / "runs")
-    assert sorted(df["setting"].unique()) == ["(default)", "dropout=0.1 lr=2e-3"] and len(df) == 6
+    assert sorted(df["setting"].unique()) == ["(default)", "dropout=0.1 lr=2e-3", "pretrain=mlm"] and len(df) == 9
     (tmp_path / "b").mkdir()
     (tmp_path / "b" / "trec.json").write_text(json.dumps(
         {"seeds": [0, 1, 2], "mean": {"validation/acc": 0.858, "test/acc": 0.881}, "cpu_seconds": 30.0}))
@@ -46,8 +47,11 @@ def test_settings_group_their_seeds_and_the_effect_is_a_paired_t_interval(tmp_pa
     res = stats.ttest_rel(test, default)
     ci = res.confidence_interval(0.95)
     assert f"| 0,1,2 | 85.0 | {test.mean():.1f} [{test.mean() - half:.1f}, {test.mean() + half:.1f}] |" in row
-    assert f"| {d.mean():+.1f} [{ci.low:+.1f}, {ci.high:+.1f}] |" in row
-    assert "| 5.0 |" in row  # fit minutes: runs 4, 5, 6 took 4, 5, 6 minutes
+    assert f"| {d.mean():+.1f} [{ci.low:+.1f}, {ci.high:+.1f}] |  | 5.0 |" in row  # runs 4-6 took 4-6 minutes
+    # a pretrained setting against the best from scratch by validation (dropout=0.1 lr=2e-3), paired by seed
+    pre = next(line for line in md.splitlines() if line.startswith("| `pretrain=mlm`"))
+    ci = stats.ttest_rel(np.array([85.0, 85.0, 86.0]), test).confidence_interval(0.95)
+    assert f"| {85.33333 - test.mean():+.1f} [{ci.low:+.1f}, {ci.high:+.1f}] | 8.0 |" in pre
     assert "| TF-IDF + logistic regression (`mhalab-baseline data=trec`) | 0,1,2 | 85.8 | 88.1 |" in md
     assert "CNN-rand 91.2" in md
     # the best setting by validation first

@@ -7,7 +7,8 @@
 less the seed and the keys that do not change results (conf/train.yaml's exclude_keys, num_threads, the
 accelerator). Per data set and setting: the seeds, validation and test accuracy (mean, and the test mean's 95%
 t-interval over seeds), the CPU minutes of a run (its fit, and its pretraining counted once per pretrained
-encoder), and each setting's effect against the data set's default run (no overrides), paired by seed
+encoder), each setting's effect against the data set's default run (no overrides), and a pretrained setting's
+effect against the best setting (by validation) trained from scratch, both on test accuracy, paired by seed
 (mhalab.analysis.report.stats.compare). Then the data set's TF-IDF + logistic regression (mhalab-baseline's JSON
 in `baselines`) and the from-scratch anchors the papers report.
 """
@@ -30,8 +31,9 @@ from mhalab.errors import ConfigError, one_line_errors
 from mhalab.train import record
 
 DEFAULT = "(default)"
-HEADER = ("| setting | seeds | val acc | test acc [95% CI] | test vs default [95% CI] | fit min / run "
-          "| pretraining min (encoders) |")
+HEADER = ("| setting | seeds | val acc | test acc [95% CI] | test vs default [95% CI] | test vs best unpretrained "
+          "[95% CI] | fit min / run | pretraining min (encoders) |")
+PRETRAINED = ("pretrain=", "init_from=")  # a setting with one of these starts from a pretrained encoder
 SKIP = ("num_threads", "trainer.accelerator")  # beside conf/train.yaml's exclude_keys: speed, not results
 # from-scratch results in the papers (no external data, embeddings or weights), test accuracy in %
 ANCHORS = {
@@ -75,6 +77,10 @@ def collect(root: str | Path) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def _pretrained(setting: str) -> bool:
+    return any(w.startswith(PRETRAINED) for w in setting.split())
+
+
 def _group(sub: pd.DataFrame, metric: str) -> GroupStats:
     return GroupStats.of(sub["setting"].iloc[0], sub.assign(monitored=sub[metric]))
 
@@ -101,23 +107,27 @@ def table(df: pd.DataFrame, baselines: Path | None) -> str:
     for data, sub in df.groupby("data", sort=True):
         groups = {s: g for s, g in sub.groupby("setting")}
         ref = {m: _group(groups[DEFAULT], m) for m in ("val", "test")} if DEFAULT in groups else {}
-        out += [f"### {data}", "", HEADER, "|---|---|---|---|---|---|---|"]
+        out += [f"### {data}", "", HEADER, "|---|---|---|---|---|---|---|---|"]
         order = sorted(groups, key=lambda s: -groups[s]["val"].mean())
+        # the best setting by validation that starts from scratch: what pretraining has to beat
+        scratch = next((s for s in order if not _pretrained(s)), None)
+        best_scratch = _group(groups[scratch], "test") if scratch else None
         for s in order:
             g = groups[s]
             val, test = _group(g, "val"), _group(g, "test")
             encoders = g.dropna(subset=["pretrain_dir"]).drop_duplicates("pretrain_dir")
             pre = (f"{encoders['pretrain_min'].mean():.1f} ({len(encoders)})" if len(encoders) else "")
+            vs_scratch = _effect(test, best_scratch) if _pretrained(s) else ""
             out.append(f"| `{s}` | {','.join(str(x) for x in sorted(g['seed']))} | {val.mean:.1f} | {_ci(test)} | "
-                       f"{_effect(test, ref.get('test'))} | {g['fit_min'].mean():.1f} | {pre} |")
+                       f"{_effect(test, ref.get('test'))} | {vs_scratch} | {g['fit_min'].mean():.1f} | {pre} |")
         base = baselines / f"{data}.json" if baselines else None
         if base and base.is_file():
             b = json.loads(base.read_text())
             out.append(f"| TF-IDF + logistic regression (`mhalab-baseline data={data}`) | "
                        f"{','.join(map(str, b['seeds']))} | {100 * b['mean']['validation/acc']:.1f} | "
-                       f"{100 * b['mean']['test/acc']:.1f} | | {b['cpu_seconds'] / 60 / len(b['seeds']):.1f} | |")
+                       f"{100 * b['mean']['test/acc']:.1f} | | | {b['cpu_seconds'] / 60 / len(b['seeds']):.1f} | |")
         if data in ANCHORS:
-            out.append(f"| from scratch, papers: {ANCHORS[data]} | | | | | | |")
+            out.append(f"| from scratch, papers: {ANCHORS[data]} | | | | | | | |")
         out.append("")
     return "\n".join(out)
 
