@@ -46,15 +46,18 @@ def test_masking_chooses_15_percent_of_real_tokens_and_splits_them_80_10_10():
     assert not to_mask[~chosen].any()
 
 
-@pytest.mark.parametrize("encoder,pooling,pos", [("custom", "mean", "sinusoidal"), ("custom", "cls", "rope"),
-                                                 ("custom", "mean", "t5"), ("official", "cls", "learned")])
-def test_masked_lm_loss_equals_the_padded_computation_written_out(encoder, pooling, pos):
+@pytest.mark.parametrize("encoder,pooling,pos,attention", [
+    ("custom", "mean", "sinusoidal", "full"), ("custom", "cls", "rope", "full"), ("custom", "mean", "t5", "full"),
+    ("official", "cls", "learned", "full"), ("custom", "cls", "alibi", "window"), ("custom", "mean", "rope", "linformer"),
+    ("custom", "mean", "learned", "performer")])
+def test_masked_lm_loss_equals_the_padded_computation_written_out(encoder, pooling, pos, attention):
     """The packed forward (CLS rows skipped, [MASK] vector, tied and scaled output) against the same loss built
     by hand from a padded batch and the encoder's plain padded forward."""
     torch.manual_seed(0)
     V, E = 50, 32
     backbone = SequenceClassifier(V, 3, encoder=encoder, dim=E, heads=4, layers=2, ff_dim=64, dropout=0.0,
-                                  pos=pos, pooling=pooling, max_len=16).eval()
+                                  pos=pos, pooling=pooling, max_len=16, attention=attention,
+                                  attention_options={"window": 6, "linformer_k": 8, "performer_features": 16}).eval()
     mlm = MaskedLanguageModel(backbone, (PAD_ID, CLS_ID, SEP_ID), len(SPECIALS), mask_prob=0.3).eval()
     lengths = [9, 5, 12, 3]
     rows = [torch.cat([torch.tensor([CLS_ID]), torch.randint(len(SPECIALS), V, (n - 2,)), torch.tensor([SEP_ID])])
