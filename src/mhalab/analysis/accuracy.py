@@ -31,7 +31,7 @@ from mhalab.errors import ConfigError, one_line_errors
 from mhalab.train import record
 
 DEFAULT = "(default)"
-HEADER = ("| setting | seeds | val acc | test acc [95% CI] | test vs default [95% CI] | test vs best unpretrained "
+HEADER = ("| setting | seeds | val acc | test acc [95% CI] | {m} vs default [95% CI] | {m} vs best unpretrained "
           "[95% CI] | fit min / run | pretraining min (encoders) |")
 PRETRAINED = ("pretrain=", "init_from=")  # a setting with one of these starts from a pretrained encoder
 SKIP = ("num_threads", "trainer.accelerator")  # beside conf/train.yaml's exclude_keys: speed, not results
@@ -50,6 +50,7 @@ class Options:
                                   metadata=doc("dir of mhalab-baseline's <data set>.json (null: no baseline row)"))
     out: str | None = field(default=None, metadata=doc("also write the markdown table to this file"))
     csv: str | None = field(default=None, metadata=doc("write the per-run rows to this CSV (a table's source)"))
+    effects_on: str = field(default="test", metadata=doc("the effect columns' split: test | val"))
 
 
 def collect(root: str | Path) -> pd.DataFrame:
@@ -101,25 +102,29 @@ def _effect(claimed: GroupStats, ref: GroupStats | None) -> str:
     return f"{c.effect:+.1f} [{c.ci_low:+.1f}, {c.ci_high:+.1f}]"
 
 
-def table(df: pd.DataFrame, baselines: Path | None) -> str:
-    """The markdown: a table per data set, its settings ordered by mean validation accuracy."""
+def table(df: pd.DataFrame, baselines: Path | None, effects_on: str = "test") -> str:
+    """The markdown: a table per data set, its settings ordered by mean validation accuracy; the effects on
+    `effects_on` (test | val) accuracy."""
+    if effects_on not in ("test", "val"):
+        raise ConfigError(f"effects_on={effects_on} is not a split of the table; choose test or val.")
     out = []
     for data, sub in df.groupby("data", sort=True):
         groups = {s: g for s, g in sub.groupby("setting")}
         ref = {m: _group(groups[DEFAULT], m) for m in ("val", "test")} if DEFAULT in groups else {}
-        out += [f"### {data}", "", HEADER, "|---|---|---|---|---|---|---|---|"]
+        out += [f"### {data}", "", HEADER.format(m=effects_on), "|---|---|---|---|---|---|---|---|"]
         order = sorted(groups, key=lambda s: -groups[s]["val"].mean())
         # the best setting by validation that starts from scratch: what pretraining has to beat
         scratch = next((s for s in order if not _pretrained(s)), None)
-        best_scratch = _group(groups[scratch], "test") if scratch else None
+        best_scratch = _group(groups[scratch], effects_on) if scratch else None
         for s in order:
             g = groups[s]
             val, test = _group(g, "val"), _group(g, "test")
             encoders = g.dropna(subset=["pretrain_dir"]).drop_duplicates("pretrain_dir")
             pre = (f"{encoders['pretrain_min'].mean():.1f} ({len(encoders)})" if len(encoders) else "")
-            vs_scratch = _effect(test, best_scratch) if _pretrained(s) else ""
+            on = val if effects_on == "val" else test
+            vs_scratch = _effect(on, best_scratch) if _pretrained(s) else ""
             out.append(f"| `{s}` | {','.join(str(x) for x in sorted(g['seed']))} | {val.mean:.1f} | {_ci(test)} | "
-                       f"{_effect(test, ref.get('test'))} | {vs_scratch} | {g['fit_min'].mean():.1f} | {pre} |")
+                       f"{_effect(on, ref.get(effects_on))} | {vs_scratch} | {g['fit_min'].mean():.1f} | {pre} |")
         base = baselines / f"{data}.json" if baselines else None
         if base and base.is_file():
             b = json.loads(base.read_text())
@@ -142,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     df = collect(root)
     if opts.csv:
         df.to_csv(opts.csv, index=False)
-    emit(table(df, Path(opts.baselines) if opts.baselines else None), opts.out)
+    emit(table(df, Path(opts.baselines) if opts.baselines else None, opts.effects_on), opts.out)
     return 0
 
 
