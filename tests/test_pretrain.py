@@ -182,6 +182,20 @@ def test_an_interrupted_pretraining_resumes_mid_epoch_to_the_same_weights(tmp_pa
     assert steps(d) == steps(Path(ref_meta["dir"]))  # the log reads as one run
 
 
+def test_a_fine_tuning_interrupted_and_resumed_keeps_its_encoders_record(pretrained):
+    """SIGTERM in fine-tuning; the rerun resumes from last.ckpt (no encoder built) and still records where the
+    encoder came from."""
+    ov, out = pretrained["overrides"], pretrained["tmp"] / "resumed"
+    cfg = compose_train(ov + ["debug=preempt", "callbacks.preempt.at_step=3"], out, pretrained["data"],
+                        pretrained["cache"])
+    with pytest.raises(SystemExit):
+        run(cfg)
+    run(compose_train(ov, out, pretrained["data"], pretrained["cache"]))
+    rec = json.loads((out / "metrics.json").read_text())
+    assert rec["status"] == "finished" and len(rec["attempts"]) == 2 and rec["attempts"][1]["from_step"] == 3
+    assert rec["pretrain"]["dir"] == pretrained["record"]["pretrain"]["dir"]
+
+
 def test_init_from_loads_the_encoder_and_refuses_another_shape_or_tokenizer(pretrained):
     tmp, d = pretrained["tmp"], pretrained["record"]["pretrain"]["dir"]
     enc, _ = pretrain.read_encoder(pretrain.resolve_init(d))

@@ -122,6 +122,8 @@ def _run(cfg: DictConfig, out: Path) -> float:
         "config": experiment.resolved(cfg), "provenance": provenance(), "output_dir": str(out),
         "attempts": attempts,
     }
+    if previous and previous.get("pretrain"):  # a resumed run builds no encoder: keep where its encoder came from
+        rec["pretrain"] = previous["pretrain"]
     record.write(out, rec)
     t0 = time.time()
     stop = GracefulStop(checkpoint.last_checkpoint(out).parent)
