@@ -42,6 +42,8 @@ def fit_baseline(splits: dict[str, tuple[list[str], list[int]]], lowercase: bool
     """Tune (n-grams, C) on splits['validation'] by accuracy, then score the chosen model on every split.
 
     Returns {ngram, C, grid: [{ngram, C, val_acc}], <split>/acc for each split, seconds}."""
+    import numpy as np
+
     TfidfVectorizer, LogisticRegression = _sklearn()
     t0 = time.perf_counter()
     (train_x, train_y), (val_x, val_y) = splits["train"], splits["validation"]
@@ -59,8 +61,6 @@ def fit_baseline(splits: dict[str, tuple[list[str], list[int]]], lowercase: bool
             if best is None or acc > best[0]:  # ties: the simpler (fewer n-grams, smaller C) wins
                 best = (acc, ngram, c, vec, clf)
     _, ngram, c, vec, clf = best
-    import numpy as np
-
     result = {"ngram": list(ngram), "C": c, "grid": grid}
     for split, (x, y) in splits.items():
         result[f"{split}/acc"] = float((clf.predict(vec.transform(x)) == np.asarray(y)).mean())

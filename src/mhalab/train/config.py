@@ -118,7 +118,6 @@ def validate(cfg: DictConfig) -> None:
     from mhalab.model import check_attention, check_model
     from mhalab.nn.attention import QUERY_BLOCK, check_blocking, check_heads
     from mhalab.nn.encoder import ACTIVATIONS
-    from mhalab.train.module import SCHEDULES
 
     m = cfg.model
     dim, heads = _int(cfg, "model.dim", 1), _int(cfg, "model.heads", 1)
@@ -142,13 +141,7 @@ def validate(cfg: DictConfig) -> None:
     _ok(check_attention, m.attention, m.pos, options, model_max_len + (m.pooling == "cls"))
     _ok(check_blocking, m.get("block_min_scores"), m.get("query_block", QUERY_BLOCK), "model.")  # CPU query blocks
 
-    lr = _float(cfg, "optim.lr")
-    if lr is None or lr <= 0:
-        raise ConfigError(f"lr={OmegaConf.select(cfg, 'optim.lr')} must be > 0, e.g. 1e-3.")
-    _choice(cfg.optim.schedule, SCHEDULES, "optim.schedule")
-    warmup = _float(cfg, "optim.warmup_ratio")
-    if warmup is None or not 0.0 <= warmup < 1.0:
-        raise ConfigError(f"optim.warmup_ratio={warmup} must be in [0, 1).")
+    _check_optimizer(cfg, "optim")
 
     t = cfg.trainer
     max_steps = _int(cfg, "trainer.max_steps", -1) if t.get("max_steps") is not None else -1
@@ -178,7 +171,6 @@ def validate(cfg: DictConfig) -> None:
 def _check_pretraining(cfg: DictConfig) -> None:
     """pretrain=mlm's settings, and init_from's path (the encoder's shape and tokenizer are checked once the data
     is ready: mhalab.train.pretrain.check_encoder_fits)."""
-    from mhalab.train.module import SCHEDULES
     from mhalab.train.pretrain import OBJECTIVES
 
     p = cfg.get("pretrain")
@@ -197,13 +189,20 @@ def _check_pretraining(cfg: DictConfig) -> None:
     mask = _float(cfg, "pretrain.mask_prob")
     if mask is None or not 0.0 < mask < 1.0:
         raise ConfigError(f"pretrain.mask_prob={p.get('mask_prob')} must be in (0, 1), e.g. 0.15.")
-    lr = _float(cfg, "pretrain.lr")
+    _check_optimizer(cfg, "pretrain")
+
+
+def _check_optimizer(cfg: DictConfig, group: str) -> None:
+    """<group>.lr, .schedule and .warmup_ratio: what mhalab.train.module.adamw_with_schedule reads (optim, pretrain)."""
+    from mhalab.train.module import SCHEDULES
+
+    lr = _float(cfg, f"{group}.lr")
     if lr is None or lr <= 0:
-        raise ConfigError(f"pretrain.lr={p.get('lr')} must be > 0, e.g. 1e-3.")
-    _choice(p.get("schedule"), SCHEDULES, "pretrain.schedule")
-    warmup = _float(cfg, "pretrain.warmup_ratio")
+        raise ConfigError(f"{_name(f'{group}.lr')}={OmegaConf.select(cfg, f'{group}.lr')} must be > 0, e.g. 1e-3.")
+    _choice(OmegaConf.select(cfg, f"{group}.schedule"), SCHEDULES, f"{group}.schedule")
+    warmup = _float(cfg, f"{group}.warmup_ratio")
     if warmup is None or not 0.0 <= warmup < 1.0:
-        raise ConfigError(f"pretrain.warmup_ratio={warmup} must be in [0, 1).")
+        raise ConfigError(f"{group}.warmup_ratio={warmup} must be in [0, 1).")
 
 
 def instantiate(cfg, **kwargs):
