@@ -665,7 +665,7 @@ def test_encoding_latin1_reads_the_latin1_file(tmp_path):
     _latin1_csv(tmp_path / "data/toy/train.csv")
     dm = toy_dm(tmp_path, "csv", write=False, encoding="latin-1")
     dm.validate()
-    texts, _ = dm._read_splits()["train"]
+    texts, _ = dm.read_splits()["train"]
     assert texts[3] == "un café noir"  # line 5: the header, then rows 0..3
     dm.setup()
     assert len(dm.splits["train"]) == 30

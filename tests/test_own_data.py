@@ -78,7 +78,7 @@ def dm_for(tmp_path: Path, **kwargs) -> OwnFilesDataModule:
 def rows_of(dm: OwnFilesDataModule) -> dict[str, list[tuple[str, str]]]:
     """Each split's (text, label name), after validate(): what the datamodule read and checked."""
     dm.validate()
-    return {s: [(t, dm.label_names[y]) for t, y in zip(*pair)] for s, pair in dm._read_splits().items()}
+    return {s: [(t, dm.label_names[y]) for t, y in zip(*pair)] for s, pair in dm.read_splits().items()}
 
 
 def all_rows(dm: OwnFilesDataModule) -> list[tuple[str, str]]:
@@ -213,7 +213,7 @@ def test_source_config_rebuilds_the_same_cache_and_dev_split_from_another_direct
     for split in ("train", "validation"):
         assert torch.equal(again.splits[split].labels, dm.splits[split].labels)
         assert again.splits[split].lengths == dm.splits[split].lengths
-    assert again._read_splits()["validation"] == dm._read_splits()["validation"]  # what mhalab-eval reads
+    assert again.read_splits()["validation"] == dm.read_splits()["validation"]  # what mhalab-eval reads
 
 
 def test_data_dir_is_the_folder_relative_paths_are_read_from(tmp_path, monkeypatch):

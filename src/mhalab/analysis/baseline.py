@@ -74,7 +74,7 @@ def _splits(data_cfg: dict, seed: int) -> tuple[dict, object]:
 
     dm = instantiate(dict(data_cfg, seed=seed))
     dm.validate()
-    raw = dm._read_splits()
+    raw = dm.read_splits()
     if "validation" not in raw:
         raise ConfigError(f"data={dm.name} has no validation split to choose C on; give it a validation file or "
                           f"data.dev_split=0.1.")

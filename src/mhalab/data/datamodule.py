@@ -180,7 +180,7 @@ class TextClassificationDataModule(L.LightningDataModule):
         self.validate()
         return self._cache_paths()[1]
 
-    def _read_splits(self) -> dict[str, tuple[list[str], list[int]]]:
+    def read_splits(self) -> dict[str, tuple[list[str], list[int]]]:
         """Checked (texts, labels) of every split, with the dev hold-out applied."""
         hf_cache = str(self.cache_root / "hf_datasets")
         wanted = {"text_column": self.text_column, "label_column": self.label_column}
@@ -222,7 +222,7 @@ class TextClassificationDataModule(L.LightningDataModule):
         if (enc_dir / "meta.json").exists():
             return
         t0 = time.perf_counter()
-        raw = self._read_splits()
+        raw = self.read_splits()
         log.info("%s: read and checked %s rows in %.1fs", self.name,
                  {s: len(t) for s, (t, _) in raw.items()}, time.perf_counter() - t0)
         tok_path.parent.mkdir(parents=True, exist_ok=True)

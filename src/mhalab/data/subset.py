@@ -33,8 +33,8 @@ class SubsetDataModule(TextClassificationDataModule):
                              f"(or null for all), got {wanted}.")
         self.max_examples = {k: v for k, v in wanted.items() if v is not None}
 
-    def _read_splits(self):
-        raw = super()._read_splits()
+    def read_splits(self):
+        raw = super().read_splits()
         for split, n in self.max_examples.items():
             if split not in raw:
                 raise ConfigError(f"{self.name}: max_examples names split '{split}', which this data set lacks "

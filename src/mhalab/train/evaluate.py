@@ -38,7 +38,7 @@ def evaluate(ckpt_path: str | Path, split: str = "test", data_dir: str | None = 
     if split not in known:  # before any file is read
         raise ConfigError(f"split={split} is not a split of this data set; choose one of {', '.join(known)}.")
     dm.validate()
-    texts, labels = dm._read_splits()[split]  # checked rows, with the same seeded dev hold-out as in training
+    texts, labels = dm.read_splits()[split]  # checked rows, with the same seeded dev hold-out as in training
     encoded = EncodedSplit.from_lists(encode_texts(loaded.tokenizer, texts, loaded.max_len), labels)
     sampler = LengthBatchSampler(encoded.lengths, batch_size or dm.eval_batch_size, shuffle=False, shard=False)
     loader = DataLoader(encoded, batch_sampler=sampler, collate_fn=Collate(dm.pad_id))
