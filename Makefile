@@ -24,7 +24,7 @@ install: $(STAMP)
 # with one thread each: two threads per process on a 2-core machine shared by two workers only spin-wait.
 TEST_WORKERS ?= 2
 
-test: $(STAMP)           ## the suite CI runs (make test TEST_WORKERS=1: one process, in file order)
+test: $(STAMP)           ## the suite CI runs (make test TEST_WORKERS=0: in one process, in file order)
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 test-slow: $(STAMP)      ## the long tests (full training runs, multi-process)
