@@ -47,8 +47,8 @@ CASES = [
     Case("max-epochs-negative", "train.py", ["max_epochs=-1"],
          "max_epochs=-1 would train forever and the lr schedule needs a length; set max_epochs >= 1, "
          "or trainer.max_steps=N."),
-    Case("unknown-pooling", "train.py", ["model.pooling=max"],
-         "unknown model.pooling 'max'; choose one of mean, cls."),
+    Case("unknown-pooling", "train.py", ["model.pooling=maxx"],
+         "unknown model.pooling 'maxx'; choose one of mean, cls, max."),
     Case("unknown-schedule", "train.py", ["optim.schedule=step"],
          "unknown optim.schedule 'step'; choose one of cosine, linear, constant."),
     Case("unknown-activation", "train.py", ["model.activation=swish"],

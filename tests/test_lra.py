@@ -145,16 +145,18 @@ def test_perf_monitor_writes_perf_json(tmp_path):
 
 
 def _fake_member(root: Path, task: str, kind: str, acc: float, status: str = "finished",
-                 old_record: bool = False) -> None:
-    """old_record: metrics.json as written before `last_epoch` (the best checkpoint's test/* under `final`)."""
-    d = root / f"data={task},model.attention={kind}"
+                 old_record: bool = False, seed: int = 0, pretrain: dict | None = None) -> None:
+    """old_record: metrics.json as written before `last_epoch` (the best checkpoint's test/* under `final`);
+    pretrain: the self-pretraining facts mhalab.train.pretrain records (None: from scratch)."""
+    d = root / (f"data={task},model.attention={kind}" + (f",seed={seed}" if seed else "") + (",pretrain=mlm" if pretrain else ""))
     d.mkdir(parents=True)
     scores = ({"final": {"val/acc": acc, "test/acc": acc}, "best": {"val/acc": acc + 0.01}} if old_record else
               {"last_epoch": {"val/acc": acc}, "best": {"val/acc": acc + 0.01, "test/acc": acc}})
-    metrics = {"status": status, "error": None if status == "finished" else "RuntimeError: boom", "seed": 0,
+    metrics = {"status": status, "error": None if status == "finished" else "RuntimeError: boom", "seed": seed,
                "config": {"model": {"attention": kind, "dim": 64, "heads": 4, "layers": 2, "attention_options": {}},
                           "data": {"name": task, "max_len": 512, "batch_size": 32}},
-               **scores, "global_step": 10, "fit_time_s": 20.0, "tokens_per_s": 1000.0, "params": 1234}
+               **scores, "global_step": 10, "fit_time_s": 20.0, "tokens_per_s": 1000.0, "params": 1234,
+               **({"pretrain": pretrain} if pretrain else {})}
     (d / "metrics.json").write_text(json.dumps(metrics))
     (d / "perf.json").write_text(json.dumps({"step_time_s": 0.5, "peak_mem_mb": 800.0, "peak_mem_kind": "cpu_peak_rss",
                                              "baseline_mem_mb": 500.0, "device_name": "cpu"}))
@@ -174,6 +176,37 @@ def test_lra_table_from_a_sweep_dir(tmp_path):
     assert set(LRA_PAPER) == {"full", "window", "linformer", "performer"}
     with pytest.raises(RunDirError, match="no metrics.json under"):
         write_lra_table(tmp_path / "empty")
+
+
+def test_lra_table_ranks_kinds_over_seeds_and_pairs_pretraining_with_scipys_interval(tmp_path):
+    """Several seeds per kind, with and without self-pretraining: the mean and its t-interval per cell, and the
+    effects paired by seed equal to scipy's paired t-test interval."""
+    from scipy import stats
+
+    accs = {("full", None): [0.40, 0.42, 0.44], ("performer", None): [0.38, 0.41, 0.41],
+            ("full", "mlm"): [0.50, 0.53, 0.55]}
+    pre = {"dir": "/cache/pretrain/listops/mlm-1", "wall_time_s": 300.0, "final_loss": 1.234, "final_acc": 0.5,
+           "pretrain": {"epochs": 10}}
+    for (kind, p), values in accs.items():
+        for seed, acc in enumerate(values):
+            _fake_member(tmp_path, "listops", kind, acc, seed=seed, pretrain=pre if p else None)
+    md = Path(write_lra_table(tmp_path)["markdown"]).read_text()
+
+    def interval(a, b=None):
+        a = 100 * np.array(a) - (0 if b is None else 100 * np.array(b))
+        res = stats.ttest_1samp(a, 0.0)
+        lo, hi = res.confidence_interval(0.95)
+        return a.mean(), lo, hi
+
+    m, lo, hi = interval(accs[("full", None)])
+    assert f"| full | {m:.1f} [{lo:.1f}, {hi:.1f}] | 500 | 800 |" in md  # main table: mean [95% CI]
+    assert "| full + MLM | 52.7 [" in md
+    line = {ln.split(" | ")[1]: ln for ln in md.splitlines() if ln.startswith("| ListOps | ")}  # the seeds table
+    e, lo, hi = interval(accs[("full", "mlm")], accs[("full", None)])  # pretraining's effect, paired by seed
+    assert line["full + MLM"].startswith("| ListOps | full + MLM | 0,1,2 | 52.7 [")
+    assert line["full + MLM"].endswith(f"| {e:+.1f} [{lo:+.1f}, {hi:+.1f}] | 5.0 | 1.23 / 50.0% |")
+    e, lo, hi = interval(accs[("performer", None)], accs[("full", None)])  # performer against full, both from scratch
+    assert line["performer"].endswith(f"| {e:+.1f} [{lo:+.1f}, {hi:+.1f}] |  |  |  |")
 
 
 def test_lra_table_command_takes_key_value_options_and_refuses_mistakes_in_one_line(tmp_path, capsys):

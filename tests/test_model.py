@@ -18,7 +18,7 @@ def _batch(B=4, L=12, vocab=50, seed=0):
     return ids.masked_fill(pad, 0), pad
 
 
-@pytest.mark.parametrize("pooling", ["mean", "cls"])
+@pytest.mark.parametrize("pooling", ["mean", "cls", "max"])
 @pytest.mark.parametrize("norm_first", [False, True])
 @pytest.mark.parametrize("pos", ["sinusoidal", "learned"])
 def test_custom_and_official_give_equal_logits(pooling, norm_first, pos):
@@ -35,6 +35,25 @@ def test_custom_and_official_give_equal_logits(pooling, norm_first, pos):
     again = official.with_encoder("custom").eval()
     with torch.no_grad():
         assert (again(ids, pad) - a).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("pooling", ["mean", "max"])
+def test_pooling_reads_each_sequences_real_tokens_only(pooling):
+    """The head's input is each sequence's mean or max over its own tokens, written out one sequence at a time
+    (a pad's value never wins the max; the pads hold a large value here to tempt it)."""
+    torch.manual_seed(0)
+    m = SequenceClassifier(50, 2, dim=32, heads=4, layers=1, ff_dim=64, dropout=0.0, pooling=pooling, max_len=16).eval()
+    ids, pad = _batch()
+    seen = {}
+    m.encoder.register_forward_hook(lambda mod, args, out: seen.update(x=out.masked_fill(pad.unsqueeze(-1), 1e4)))
+    m.encoder.register_forward_hook(lambda mod, args, out: seen["x"])  # the pooling reads the tempting pads
+    m.head.register_forward_pre_hook(lambda mod, args: seen.update(pooled=args[0]))
+    with torch.no_grad():
+        m(ids, pad)
+    lengths = (~pad).sum(1)
+    real = [seen["x"][i, :n] for i, n in enumerate(lengths.tolist())]  # (n_i, E) each
+    want = torch.stack([x.mean(0) if pooling == "mean" else x.amax(0) for x in real])  # (B, E)
+    assert (seen["pooled"] - want).abs().max() < 1e-6 and seen["pooled"].max() < 1e3
 
 
 def test_padding_does_not_change_logits():

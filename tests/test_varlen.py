@@ -180,6 +180,7 @@ def test_rotate_packed_equals_rope_on_each_sequence():
 MODELS = [{"encoder": "custom", "pooling": "mean", "pos": "sinusoidal"},
           {"encoder": "custom", "pooling": "cls", "pos": "learned"},
           {"encoder": "custom", "pooling": "mean", "pos": "t5"},
+          {"encoder": "custom", "pooling": "max", "pos": "sinusoidal"},
           {"encoder": "official", "pooling": "cls", "pos": "sinusoidal"}]
 
 

@@ -139,7 +139,7 @@ def attention_parts(
     return {"attention": kernel, "rotary": rotary, "position_bias": bias}
 
 
-POOLINGS = ("mean", "cls")
+POOLINGS = ("mean", "cls", "max")  # max: each feature's largest value over real tokens (Kim 2014's max-over-time)
 ENCODERS = ("custom", "official")
 
 
@@ -242,6 +242,9 @@ class SequenceClassifier(nn.Module):
         x = self.encoder(self.embed_drop(x), src_key_padding_mask=padding_mask)  # (B, L, E)
         if self.pooling == "cls":
             pooled = x[:, 0]  # (B, E)
+        elif self.pooling == "max":
+            pooled = x.masked_fill(padding_mask.unsqueeze(-1), float("-inf")).amax(1)  # (B, E) over real tokens
+            pooled = pooled.masked_fill(padding_mask.all(1, keepdim=True), 0.0)  # an empty sequence: 0, as mean gives
         else:
             keep = (~padding_mask).unsqueeze(-1).to(x.dtype)  # (B, L, 1)
             pooled = (x * keep).sum(1) / keep.sum(1).clamp(min=1.0)  # mean over real tokens
@@ -251,7 +254,10 @@ class SequenceClassifier(nn.Module):
         """The padded forward's logits, computed on the N real tokens only: no pads anywhere (the custom encoder
         attends per sequence, nn.varlen); PyTorch's encoder gets them padded, as it needs."""
         x, seqlens = self.encode(input_ids, seqlens)  # (N', E)
-        pooled = x.index_select(0, seqlens.starts(x.device)) if self.pooling == "cls" else seqlens.mean(x)  # (B, E)
+        if self.pooling == "cls":
+            pooled = x.index_select(0, seqlens.starts(x.device))  # (B, E)
+        else:
+            pooled = seqlens.max(x) if self.pooling == "max" else seqlens.mean(x)  # (B, E)
         return self.head(self.drop(pooled))  # (B, C)
 
     def encode(self, input_ids: Tensor, seqlens: SeqLens, embeddings: Tensor | None = None) -> tuple[Tensor, SeqLens]:

@@ -86,14 +86,14 @@ def _group(sub: pd.DataFrame, metric: str) -> GroupStats:
     return GroupStats.of(sub["setting"].iloc[0], sub.assign(monitored=sub[metric]))
 
 
-def _ci(g: GroupStats) -> str:
+def ci_text(g: GroupStats) -> str:
     if g.n_seeds < 2:
         return f"{g.mean:.1f}"
     half = sps.t.ppf(0.975, g.n_seeds - 1) * g.std / math.sqrt(g.n_seeds)
     return f"{g.mean:.1f} [{g.mean - half:.1f}, {g.mean + half:.1f}]"
 
 
-def _effect(claimed: GroupStats, ref: GroupStats | None) -> str:
+def effect_text(claimed: GroupStats, ref: GroupStats | None) -> str:
     if ref is None or claimed.label == ref.label:
         return ""
     c = compare(claimed, ref, sign=1.0, margin=1.0)
@@ -122,9 +122,9 @@ def table(df: pd.DataFrame, baselines: Path | None, effects_on: str = "test") ->
             encoders = g.dropna(subset=["pretrain_dir"]).drop_duplicates("pretrain_dir")
             pre = (f"{encoders['pretrain_min'].mean():.1f} ({len(encoders)})" if len(encoders) else "")
             on = val if effects_on == "val" else test
-            vs_scratch = _effect(on, best_scratch) if _pretrained(s) else ""
-            out.append(f"| `{s}` | {','.join(str(x) for x in sorted(g['seed']))} | {val.mean:.1f} | {_ci(test)} | "
-                       f"{_effect(on, ref.get(effects_on))} | {vs_scratch} | {g['fit_min'].mean():.1f} | {pre} |")
+            vs_scratch = effect_text(on, best_scratch) if _pretrained(s) else ""
+            out.append(f"| `{s}` | {','.join(str(x) for x in sorted(g['seed']))} | {val.mean:.1f} | {ci_text(test)} | "
+                       f"{effect_text(on, ref.get(effects_on))} | {vs_scratch} | {g['fit_min'].mean():.1f} | {pre} |")
         base = baselines / f"{data}.json" if baselines else None
         if base and base.is_file():
             b = json.loads(base.read_text())
@@ -151,4 +151,4 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-__all__ = ["ANCHORS", "collect", "main", "table"]
+__all__ = ["ANCHORS", "ci_text", "collect", "effect_text", "main", "table"]

@@ -18,8 +18,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import pandas as pd
+
+from mhalab.analysis.accuracy import ci_text, effect_text
 from mhalab.analysis.lra_timing import retime_rows
 from mhalab.analysis.options import doc, parse, split_dir
+from mhalab.analysis.report.stats import GroupStats
 from mhalab.errors import RunDirError, one_line_errors
 from mhalab.model import ATTENTIONS
 from mhalab.train import record
@@ -77,8 +82,17 @@ def collect_lra(sweep_dir: str | Path) -> list[dict[str, Any]]:
             "dim": model.get("dim"), "heads": model.get("heads"), "layers": model.get("layers"), "model_cfg": model,
             "attention_options": model.get("attention_options"), "device": perf.get("device_name", m["device"]),
             "batch_size": data.get("batch_size"), "seed": m["seed"],
+            **_pretraining(m["pretrain"]),
         })
     return rows
+
+
+def _pretraining(pre: dict | None) -> dict[str, Any]:
+    """A member's self-pretraining (mhalab.train.pretrain's facts in metrics.json), or none."""
+    pre = pre if isinstance(pre, dict) else {}
+    return {"pretrained": bool(pre), "pretrain_dir": pre.get("dir"), "pretrain_epochs": (pre.get("pretrain") or {}).get("epochs"),
+            "pretrain_min": pre["wall_time_s"] / 60 if pre.get("wall_time_s") is not None else None,
+            "pretrain_loss": pre.get("final_loss"), "pretrain_acc": pre.get("final_acc")}
 
 
 def _fmt(x, digits=1, scale=1.0, suffix="") -> str:
@@ -89,10 +103,37 @@ def _fmt(x, digits=1, scale=1.0, suffix="") -> str:
     return "–" if math.isnan(v) else f"{v:.{digits}f}{suffix}"
 
 
-def _row_for(rows, task, kind):
-    found = [r for r in rows if r["task"] == task and r["attention"] == kind]
-    done = [r for r in found if r["status"] == "finished"]
-    return (done or found or [None])[-1]
+def _members(rows, task, kind, pretrained=False):
+    """The members of one cell: (finished ones, or every one when none finished)."""
+    found = [r for r in rows if r["task"] == task and r["attention"] == kind and r["pretrained"] == pretrained]
+    return [r for r in found if r["status"] == "finished"] or found
+
+
+def _stats(members, key: str = "test_acc") -> GroupStats:
+    """Per-seed accuracy (in %) of finished members, for mhalab.analysis.report.stats."""
+    done = [r for r in members if r["status"] == "finished" and r[key] is not None]
+    df = pd.DataFrame({"seed": [r["seed"] for r in done], "monitored": [100 * float(r[key]) for r in done]})
+    return GroupStats.of(_label(members[0]["attention"], members[0]["pretrained"]) if members else "", df)
+
+
+def _acc_cell(members) -> str:
+    """One seed: the accuracy (2 decimals, as the paper prints it); more: mean and its 95% t-interval."""
+    g = _stats(members)
+    return f"{g.mean:.2f}" if g.n_seeds == 1 else ci_text(g)
+
+
+def _median(members, key):
+    vals = [float(r[key]) for r in members if r["status"] == "finished" and r[key] is not None]
+    return float(np.median(vals)) if vals else None
+
+
+def _variants(rows) -> list[bool]:
+    """From scratch first, then self-pretrained, as far as the rows have them."""
+    return [p for p in (False, True) if any(r["pretrained"] == p for r in rows)]
+
+
+def _label(kind: str, pretrained: bool) -> str:
+    return f"{kind} + MLM" if pretrained else kind
 
 
 def render_lra_markdown(rows: list[dict[str, Any]], title: str = "Long-sequence benchmark (LRA-style, CPU scale)",
@@ -115,29 +156,35 @@ def render_lra_markdown(rows: list[dict[str, Any]], title: str = "Long-sequence 
               "above); the paper's from full-size models trained for thousands of steps on TPUs. Compare "
               "the kinds within a column, not our column with the paper's."), "", head, sep]
     for kind in KINDS + tuple(sorted({r["attention"] for r in rows if r["attention"] not in KINDS and r["attention"]})):
-        if not any(r["attention"] == kind for r in rows):
-            continue
-        cells = f"| {kind} |"
-        for t in tasks:
-            r = _row_for(rows, t, kind)
-            if r is None:
-                cells += " – | – | – |"
-            elif r["status"] != "finished":
-                cells += f" {r['status']} | – | – |"
-            else:
-                cells += (f" {_fmt(r['test_acc'], 2, 100)} | {_fmt(r['step_ms'], 0)} | {_fmt(r['peak_mem_mb'], 0)} |")
-        paper = "; ".join(f"{name} {lo:.2f} / {tx:.2f}" for name, lo, tx in LRA_PAPER.get(kind, []))
-        lines.append(cells + f" {paper or '–'} |")
+        for pretrained in _variants(rows):
+            if not any(r["attention"] == kind and r["pretrained"] == pretrained for r in rows):
+                continue
+            cells = f"| {_label(kind, pretrained)} |"
+            for t in tasks:
+                members = _members(rows, t, kind, pretrained)
+                if not members:
+                    cells += " – | – | – |"
+                elif members[0]["status"] != "finished":
+                    cells += f" {members[-1]['status']} | – | – |"
+                else:
+                    cells += (f" {_acc_cell(members)} | {_fmt(_median(members, 'step_ms'), 0)} | "
+                              f"{_fmt(max((r['peak_mem_mb'] for r in members if r['peak_mem_mb'] is not None), default=None), 0)} |")
+            paper = "; ".join(f"{name} {lo:.2f} / {tx:.2f}" for name, lo, tx in LRA_PAPER.get(kind, []))
+            lines.append(cells + f" {paper or '–'} |")
     lines += ["", ("Uniform guessing scores 10% on ListOps and 50% on Text; always answering ListOps' most "
                    "frequent class (0 or 9) scores about 15-17%."), ""]
+    if any(len({r["seed"] for r in rows if r["task"] == t and r["attention"] == k}) > 1
+           for t in tasks for k in KINDS) or True in _variants(rows):
+        lines += _over_seeds(rows, tasks)
 
     lines += ["## Every member", "",
-              ("| task | attention | status | test acc % | best val acc % | ms / step (median) | fit ms / step "
+              ("| task | attention | seed | status | test acc % | best val acc % | ms / step (median) | fit ms / step "
               "| peak mem MB | mem at fit start MB | tokens/s | steps | fit s | params |"),
-              "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in sorted(rows, key=lambda r: (str(r["task"]), KINDS.index(r["attention"]) if r["attention"] in KINDS else 9)):
+              "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in sorted(rows, key=lambda r: (str(r["task"]), r["pretrained"],
+                                         KINDS.index(r["attention"]) if r["attention"] in KINDS else 9, str(r["seed"]))):
         lines.append(
-            f"| {r['task']} | {r['attention']} | {r['status']}{': ' + str(r['error']) if r['error'] else ''} | "
+            f"| {r['task']} | {_label(r['attention'], r['pretrained'])} | {r['seed']} | {r['status']}{': ' + str(r['error']) if r['error'] else ''} | "
             f"{_fmt(r['test_acc'], 2, 100)} | {_fmt(r['val_acc'], 2, 100)} | {_fmt(r['step_ms'], 0)} | "
             f"{_fmt(r['fit_ms_per_step'], 0)} | {_fmt(r['peak_mem_mb'], 0)} | {_fmt(r['baseline_mem_mb'], 0)} | "
             f"{_fmt(r['tokens_per_s'], 0)} | {r['global_step']} | {_fmt(r['fit_time_s'], 0)} | {r['params']} |")
@@ -153,30 +200,58 @@ def render_lra_markdown(rows: list[dict[str, Any]], title: str = "Long-sequence 
     return "\n".join(lines) + "\n"
 
 
+def _over_seeds(rows, tasks) -> list[str]:
+    """Every (task, kind, pretraining) over its seeds, and the paired effects that rank them."""
+    lines = ["## Over seeds: the ranking and self-pretraining's effect", "",
+             ("Accuracy in %, mean over seeds and its 95% t-interval; effects paired by seed (the runs of one seed "
+              "share the data order), 95% interval (mhalab.analysis.report.stats.compare). *vs full*: against full "
+              "attention with the same pretraining; *vs from scratch*: against the same kind without it."), "",
+             ("| task | attention | seeds | test acc [95% CI] | val acc | vs full [95% CI] | vs from scratch [95% CI] "
+              "| pretraining min | masked-LM loss / acc (end) |"),
+             "|---|---|---|---|---:|---|---|---:|---|"]
+    for t in tasks:
+        for pretrained in _variants(rows):
+            full = _stats(_members(rows, t, "full", pretrained))
+            for kind in KINDS:
+                members = [r for r in _members(rows, t, kind, pretrained) if r["status"] == "finished"]
+                if not members:
+                    continue
+                g = _stats(members)
+                vs_full = effect_text(g, full) if kind != "full" and full.n_seeds else ""
+                vs_scratch = effect_text(g, _stats(_members(rows, t, kind, False))) if pretrained else ""
+                encoders = {r["pretrain_dir"]: r for r in members if r.get("pretrain_dir")}.values()
+                pre_min = ", ".join(_fmt(r["pretrain_min"]) for r in encoders)
+                mlm = ", ".join(f"{_fmt(r['pretrain_loss'], 2)} / {_fmt(r['pretrain_acc'], 1, 100)}%" for r in encoders)
+                seeds = ",".join(str(s) for s in sorted(g.per_seed.index))
+                lines.append(f"| {TASKS.get(t, t)} | {_label(kind, pretrained)} | {seeds} | {ci_text(g)} | "
+                             f"{_stats(members, 'val_acc').mean:.1f} | {vs_full} | {vs_scratch} | {pre_min} | {mlm} |")
+    return lines + [""]
+
+
 def plot_lra(rows: list[dict[str, Any]], path: str | Path) -> Path:
-    import numpy as np
     from matplotlib.figure import Figure  # drawn on a Figure of its own: no pyplot state, no backend switch
 
     tasks = [t for t in TASKS if any(r["task"] == t for r in rows)]
     kinds = [k for k in KINDS if any(r["attention"] == k for r in rows)]
+    groups = [(t, p) for t in tasks for p in _variants(rows)]
     metrics = [("test_acc", "test accuracy (%)", 100.0), ("step_ms", "ms per training step", 1.0),
                ("peak_mem_mb", "peak memory (MB)", 1.0)]
     fig = Figure(figsize=(13, 3.8))
     axes = fig.subplots(1, 3)
     width = 0.8 / max(len(kinds), 1)
-    x = np.arange(len(tasks))
+    x = np.arange(len(groups))
     for ax, (key, label, scale) in zip(axes, metrics):
         for i, k in enumerate(kinds):
-            vals = []
-            for t in tasks:
-                r = _row_for(rows, t, k)
-                try:
-                    vals.append(float(r[key]) * scale if r and r["status"] == "finished" else np.nan)
-                except (TypeError, ValueError):
-                    vals.append(np.nan)
-            ax.bar(x + (i - (len(kinds) - 1) / 2) * width, vals, width, label=k)
+            vals, errs = [], []
+            for t, p in groups:
+                done = [float(r[key]) * scale for r in _members(rows, t, k, p)
+                        if r["status"] == "finished" and r[key] is not None]
+                vals.append(np.mean(done) if done else np.nan)
+                # the spread over seeds where there are several (1.96 standard errors: about the 95% interval)
+                errs.append(1.96 * np.std(done, ddof=1) / np.sqrt(len(done)) if len(done) > 1 else 0.0)
+            ax.bar(x + (i - (len(kinds) - 1) / 2) * width, vals, width, yerr=errs, label=k)
         ax.set_xticks(x)
-        ax.set_xticklabels([TASKS.get(t, t) for t in tasks], fontsize=8)
+        ax.set_xticklabels([TASKS.get(t, t) + (" + MLM" if p else "") for t, p in groups], fontsize=8)
         ax.set_title(label, fontsize=10)
     axes[0].legend(fontsize=8)
     fig.tight_layout()

@@ -151,6 +151,11 @@ class SeqLens:
         sums = x.new_zeros(self.batch, x.size(-1)).index_add_(0, self.sequence(x.device), x)
         return sums / self.lengths_tensor(x.device).clamp(min=1).unsqueeze(1).to(x.dtype)  # empty: 0
 
+    def max(self, x: Tensor) -> Tensor:
+        """(N, E) -> (B, E): each sequence's largest value per feature (an empty sequence: 0)."""
+        index = self.sequence(x.device).unsqueeze(1).expand_as(x)  # (N, E): each row's sequence
+        return x.new_zeros(self.batch, x.size(-1)).scatter_reduce(0, index, x, "amax", include_self=False)
+
     def with_prefix(self, x: Tensor, prefix: Tensor) -> tuple[Tensor, SeqLens]:
         """Put prefix (E,) before each sequence of x (N, E): (N + B, E) and the lengths + 1 (a CLS vector)."""
         longer = SeqLens([n + 1 for n in self.lengths])
