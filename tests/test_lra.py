@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import mmap
+import shutil
 from pathlib import Path
 
 import lightning as L
@@ -185,8 +186,11 @@ def test_lra_table_ranks_kinds_over_seeds_and_pairs_pretraining_with_scipys_inte
 
     accs = {("full", None): [0.40, 0.42, 0.44], ("performer", None): [0.38, 0.41, 0.41],
             ("full", "mlm"): [0.50, 0.53, 0.55]}
-    pre = {"dir": "/cache/pretrain/listops/mlm-1", "wall_time_s": 300.0, "final_loss": 1.234, "final_acc": 0.5,
-           "pretrain": {"epochs": 10}}
+    enc = tmp_path / "cache" / "mlm-1"  # the encoder's own log: its last epoch's logged steps give loss / acc
+    (enc / "logs").mkdir(parents=True)
+    (enc / "logs" / "metrics.csv").write_text("epoch,pretrain/acc,pretrain/loss,step\n0,0.1,3.0,9\n"
+                                              "1,0.4,1.5,19\n1,0.6,1.0,29\n")
+    pre = {"dir": str(enc), "wall_time_s": 300.0, "final_loss": 0.9, "final_acc": 0.7, "pretrain": {"epochs": 2}}
     for (kind, p), values in accs.items():
         for seed, acc in enumerate(values):
             _fake_member(tmp_path, "listops", kind, acc, seed=seed, pretrain=pre if p else None)
@@ -204,15 +208,20 @@ def test_lra_table_ranks_kinds_over_seeds_and_pairs_pretraining_with_scipys_inte
     line = {ln.split(" | ")[1]: ln for ln in md.splitlines() if ln.startswith("| ListOps | ")}  # the seeds table
     e, lo, hi = interval(accs[("full", "mlm")], accs[("full", None)])  # pretraining's effect, paired by seed
     assert line["full + MLM"].startswith("| ListOps | full + MLM | 0,1,2 | 52.7 [")
-    assert line["full + MLM"].endswith(f"| {e:+.1f} [{lo:+.1f}, {hi:+.1f}] | 5.0 | 1.23 / 50.0% |")
+    assert line["full + MLM"].endswith(f"| {e:+.1f} [{lo:+.1f}, {hi:+.1f}] | 5.0 | 1.25 / 50.0% |")  # epoch 1's mean
+    shutil.rmtree(enc)  # the cache cleared: meta's own figures
+    md = Path(write_lra_table(tmp_path)["markdown"]).read_text()
+    assert "| 5.0 | 0.90 / 70.0% |" in md
     e, lo, hi = interval(accs[("performer", None)], accs[("full", None)])  # performer against full, both from scratch
     assert line["performer"].endswith(f"| {e:+.1f} [{lo:+.1f}, {hi:+.1f}] |  |  |  |")
 
 
 def test_lra_table_command_takes_key_value_options_and_refuses_mistakes_in_one_line(tmp_path, capsys):
     _fake_member(tmp_path, "listops", "full", 0.2)
-    assert lra_main([str(tmp_path), f"out={tmp_path / 'o' / 't.md'}", "title=My table"]) == 0
+    assert lra_main([str(tmp_path), f"out={tmp_path / 'o' / 't.md'}", "title=My table", "plot=t.png"]) == 0
     assert (tmp_path / "o" / "t.md").read_text().startswith("# My table")
+    assert "![accuracy, time and memory per attention kind](t.png)" in (tmp_path / "o" / "t.md").read_text()
+    assert (tmp_path / "o" / "t.png").read_bytes()[:4] == b"\x89PNG" and not (tmp_path / "o" / "lra_results.png").exists()
     for argv, line in [([str(tmp_path / "empty")], "no metrics.json under"),
                        ([str(tmp_path), "--out=x.md"], "options are key=value, e.g. out="),
                        ([str(tmp_path), "retime=maybe"], "retime=maybe is not valid"),

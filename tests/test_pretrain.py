@@ -7,6 +7,7 @@ import json
 import math
 from pathlib import Path
 
+import pandas as pd
 import pytest
 import torch
 import torch.nn.functional as F
@@ -121,6 +122,10 @@ def test_pretraining_sees_every_train_token_per_epoch_and_no_validation_or_test_
     assert seen == train
     assert rec["status"] == "finished" and rec["pretrain"]["cached"] is False
     assert meta["final_loss"] < math.log(dm.vocab_size)  # it learned something in 2 epochs
+    log = pd.read_csv(Path(meta["dir"]) / "logs" / "metrics.csv")  # final_*: the last epoch's logged steps, averaged
+    last = log[log["epoch"] == 1]
+    assert len(last) > 1 and meta["final_loss"] == pytest.approx(last["pretrain/loss"].mean())
+    assert meta["final_acc"] == pytest.approx(last["pretrain/acc"].mean())
 
 
 def test_a_second_fine_tuning_reuses_the_cached_encoder_and_another_shape_or_hold_out_pretrains_again(pretrained):

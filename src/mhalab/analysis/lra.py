@@ -28,6 +28,7 @@ from mhalab.analysis.report.stats import GroupStats
 from mhalab.errors import RunDirError, one_line_errors
 from mhalab.model import ATTENTIONS
 from mhalab.train import record
+from mhalab.train.curves import last_epoch_means
 
 log = logging.getLogger(__name__)
 
@@ -88,11 +89,19 @@ def collect_lra(sweep_dir: str | Path) -> list[dict[str, Any]]:
 
 
 def _pretraining(pre: dict | None) -> dict[str, Any]:
-    """A member's self-pretraining (mhalab.train.pretrain's facts in metrics.json), or none."""
+    """A member's self-pretraining (mhalab.train.pretrain's facts in metrics.json), or none. The masked-LM loss and
+    accuracy are the last epoch's mean, read from the encoder's own log where it still is (encoders pretrained
+    before meta.json recorded that mean kept one batch's value), else meta's."""
     pre = pre if isinstance(pre, dict) else {}
+    log_csv = Path(pre["dir"]) / "logs" / "metrics.csv" if pre.get("dir") else None
+    if log_csv is not None and log_csv.exists():
+        m = last_epoch_means(log_csv, ("pretrain/loss", "pretrain/acc"))
+        loss, acc = m["pretrain/loss"], m["pretrain/acc"]
+    else:
+        loss, acc = pre.get("final_loss"), pre.get("final_acc")
     return {"pretrained": bool(pre), "pretrain_dir": pre.get("dir"), "pretrain_epochs": (pre.get("pretrain") or {}).get("epochs"),
             "pretrain_min": pre["wall_time_s"] / 60 if pre.get("wall_time_s") is not None else None,
-            "pretrain_loss": pre.get("final_loss"), "pretrain_acc": pre.get("final_acc")}
+            "pretrain_loss": loss, "pretrain_acc": acc}
 
 
 def _fmt(x, digits=1, scale=1.0, suffix="") -> str:
@@ -207,7 +216,7 @@ def _over_seeds(rows, tasks) -> list[str]:
               "share the data order), 95% interval (mhalab.analysis.report.stats.compare). *vs full*: against full "
               "attention with the same pretraining; *vs from scratch*: against the same kind without it."), "",
              ("| task | attention | seeds | test acc [95% CI] | val acc | vs full [95% CI] | vs from scratch [95% CI] "
-              "| pretraining min | masked-LM loss / acc (end) |"),
+              "| pretraining min | masked-LM loss / acc (last epoch) |"),
              "|---|---|---|---|---:|---|---|---:|---|"]
     for t in tasks:
         for pretrained in _variants(rows):
@@ -304,11 +313,13 @@ class TableOptions:
     title: str | None = field(default=None, metadata=doc("the table's title"))
     notes: str = field(default="", metadata=doc("markdown put under the title (how the runs were made)"))
     notes_file: str | None = field(default=None, metadata=doc("read the notes from this file"))
+    plot: str = field(default="lra_results.png", metadata=doc("the plot's file name, next to the table"))
     retime: bool = field(default=False, metadata=doc("also re-time a step of every kind, interleaved (minutes)"))
     retime_reps: int = field(default=5, metadata=doc("repetitions of each re-timing"))
 
 
-USAGE = "mhalab-lra-table <sweep dir> [out=results/lra/README.md] [retime=true] [notes_file=notes.md]"
+USAGE = ("mhalab-lra-table <sweep dir> [out=results/lra/README.md] [plot=lra_results.png] [retime=true] "
+         "[notes_file=notes.md]")
 
 
 @one_line_errors
@@ -317,6 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     sweep_dir, words = split_dir(sys.argv[1:] if argv is None else argv, USAGE)
     o = parse(TableOptions, words, "mhalab-lra-table", __doc__.splitlines()[0] + "\n\n    " + USAGE)
     notes = Path(o.notes_file).read_text() if o.notes_file else o.notes
-    res = write_lra_table(sweep_dir, o.out, o.title, notes, retime=o.retime, retime_reps=o.retime_reps)
+    res = write_lra_table(sweep_dir, o.out, o.title, notes, plot_name=o.plot, retime=o.retime,
+                          retime_reps=o.retime_reps)
     print(f"{len(res['rows'])} runs; wrote {res['markdown']} and {res['plot']}")
     return 0

@@ -6,7 +6,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pandas as pd
-from matplotlib.figure import Figure
 
 
 def read_log(metrics_csv: str | Path) -> pd.DataFrame:
@@ -14,9 +13,19 @@ def read_log(metrics_csv: str | Path) -> pd.DataFrame:
     return pd.read_csv(metrics_csv)
 
 
+def last_epoch_means(metrics_csv: str | Path, keys: tuple[str, ...]) -> dict[str, float | None]:
+    """The mean of each key over the last epoch's logged steps (every log_every_n_steps-th batch): one batch's
+    value, the last, is noise (a ListOps batch predicts ~170 masked tokens); None where the log lacks the key."""
+    df = read_log(metrics_csv)
+    last = df[df["epoch"] == df["epoch"].max()] if "epoch" in df and len(df) else df
+    return {k: float(last[k].mean()) if k in last and last[k].notna().any() else None for k in keys}
+
+
 def loss_curves(metrics_csv: str | Path, out_png: str | Path) -> Path:
     """Training loss per step (smoothed too) and validation loss and accuracy per epoch; for a pretraining log
     (mhalab.train.pretrain), its masked-LM loss and masked-token accuracy per step."""
+    from matplotlib.figure import Figure  # here: reading a log (last_epoch_means) needs no matplotlib
+
     df = read_log(metrics_csv)
     fig = Figure(figsize=(11, 4))
     ax_loss, ax_acc = fig.subplots(1, 2)

@@ -45,6 +45,7 @@ from mhalab.model import SequenceClassifier
 from mhalab.train.callbacks import GracefulStop, ResumeState
 from mhalab.train.checkpoint import SHAPE_KEYS
 from mhalab.train.csv_logger import ContinuedCSVLogger
+from mhalab.train.curves import last_epoch_means, loss_curves
 from mhalab.train.module import adamw_with_schedule
 
 log = logging.getLogger("mhalab")
@@ -141,6 +142,15 @@ def pretrained_encoder(cfg: DictConfig, dm, callbacks: tuple = ()) -> tuple[dict
     return state, dict(meta, cached=True)
 
 
+def _final(log_csv: Path) -> dict[str, float | None]:
+    """meta's final_loss / final_acc: the masked-LM loss and masked-token accuracy over the last epoch's logged
+    steps (mhalab.analysis.lra reads the same from the log of encoders pretrained before this rule)."""
+    if not log_csv.exists():
+        return {"final_loss": None, "final_acc": None}
+    m = last_epoch_means(log_csv, ("pretrain/loss", "pretrain/acc"))
+    return {"final_loss": m["pretrain/loss"], "final_acc": m["pretrain/acc"]}
+
+
 def _pretrain(cfg: DictConfig, dm, d: Path, extra_callbacks: tuple = ()) -> None:
     """Masked-LM on the train split, on one device; encoder.pt written last (it marks the dir complete).
 
@@ -171,19 +181,15 @@ def _pretrain(cfg: DictConfig, dm, d: Path, extra_callbacks: tuple = ()) -> None
     t0 = time.time()
     trainer.fit(module, datamodule=dm, ckpt_path=resume, weights_only=True)  # train_dataloader(): train split only
     seconds = time.time() - t0
-    metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     previous = json.loads((d / "meta.json").read_text()) if resume and (d / "meta.json").exists() else {}
     meta = {"objective": p["objective"], "dir": str(d), "pretrain": p, "model": weight_settings(model_cfg),
             "data": dm.name, "tokenizer": dm.tokenizer_path.name, "train_texts": len(dm.splits["train"]),
             "train_tokens": sum(dm.splits["train"].lengths), "tokens_seen": module.tokens_seen,
             "epochs": trainer.current_epoch,
-            "global_step": trainer.global_step, "final_loss": metrics.get("pretrain/loss"),
-            "final_acc": metrics.get("pretrain/acc"),
+            "global_step": trainer.global_step, **_final(d / "logs" / "metrics.csv"),
             "wall_time_s": seconds + previous.get("wall_time_s", 0.0)}
     write_atomic(d / "meta.json", lambda f: f.write_text(json.dumps(meta, indent=2)))
     if (d / "logs" / "metrics.csv").exists():
-        from mhalab.train.curves import loss_curves
-
         loss_curves(d / "logs" / "metrics.csv", d / "loss_curves.png")
     write_atomic(d / WEIGHTS, lambda f: torch.save({"state_dict": module.mlm.backbone_state(), "meta": meta}, f))
     last.unlink(missing_ok=True)  # done: the weights are in encoder.pt
