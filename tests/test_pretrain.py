@@ -47,6 +47,16 @@ def test_masking_chooses_15_percent_of_real_tokens_and_splits_them_80_10_10():
     assert not to_mask[~chosen].any()
 
 
+def test_masking_a_batch_that_draws_no_token_predicts_its_first_real_token_and_never_a_special():
+    ids = torch.tensor([CLS_ID, 7, 8, 9, SEP_ID, PAD_ID, CLS_ID, 10, SEP_ID])
+    chosen, _, _ = choose_masked(ids, SPECIAL, 20, len(SPECIALS), mask_prob=1e-9)
+    assert chosen.tolist() == [False, True] + [False] * 7  # the first real token, only it
+    chosen, _, _ = choose_masked(ids, SPECIAL, 20, len(SPECIALS), mask_prob=0.999999)
+    assert chosen.tolist() == [i >= len(SPECIALS) for i in ids.tolist()]  # every real token: none added
+    specials = torch.tensor([CLS_ID, SEP_ID, PAD_ID])
+    assert not choose_masked(specials, SPECIAL, 20, len(SPECIALS), mask_prob=1e-9)[0].any()
+
+
 @pytest.mark.parametrize("encoder,pooling,pos,attention", [
     ("custom", "mean", "sinusoidal", "full"), ("custom", "cls", "rope", "full"), ("custom", "mean", "t5", "full"),
     ("official", "cls", "learned", "full"), ("custom", "cls", "alibi", "window"), ("custom", "mean", "rope", "linformer"),

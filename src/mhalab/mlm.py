@@ -39,8 +39,9 @@ def choose_masked(input_ids: Tensor, special_ids: Tensor, vocab_size: int, first
     candidate = ~torch.isin(input_ids, special_ids)  # (N,) real tokens only
     draw = torch.rand(input_ids.shape, device=dev, generator=generator)
     chosen = candidate & (draw < mask_prob)
-    if not bool(chosen.any()) and bool(candidate.any()):  # a tiny batch: predict one token all the same
-        chosen[candidate.nonzero()[0, 0]] = True
+    # a tiny batch may draw none: then predict its first real token all the same (tensor ops: no host sync on CUDA)
+    first = candidate & (candidate.cumsum(0) == 1)
+    chosen = chosen | (first & ~chosen.any())
     # one more uniform number decides each chosen token's fate: [0, .8) mask, [.8, .9) random, [.9, 1) keep
     fate = torch.rand(input_ids.shape, device=dev, generator=generator)
     to_mask = chosen & (fate < SPLIT[0])
