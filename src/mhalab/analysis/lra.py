@@ -28,7 +28,7 @@ from mhalab.analysis.report.stats import GroupStats
 from mhalab.errors import RunDirError, one_line_errors
 from mhalab.model import ATTENTIONS
 from mhalab.train import record
-from mhalab.train.curves import last_epoch_means
+from mhalab.train.curves import masked_lm_finals
 
 log = logging.getLogger(__name__)
 
@@ -94,14 +94,10 @@ def _pretraining(pre: dict | None) -> dict[str, Any]:
     before meta.json recorded that mean kept one batch's value), else meta's."""
     pre = pre if isinstance(pre, dict) else {}
     log_csv = Path(pre["dir"]) / "logs" / "metrics.csv" if pre.get("dir") else None
-    if log_csv is not None and log_csv.exists():
-        m = last_epoch_means(log_csv, ("pretrain/loss", "pretrain/acc"))
-        loss, acc = m["pretrain/loss"], m["pretrain/acc"]
-    else:
-        loss, acc = pre.get("final_loss"), pre.get("final_acc")
+    finals = masked_lm_finals(log_csv) if log_csv is not None and log_csv.exists() else pre
     return {"pretrained": bool(pre), "pretrain_dir": pre.get("dir"), "pretrain_epochs": (pre.get("pretrain") or {}).get("epochs"),
             "pretrain_min": pre["wall_time_s"] / 60 if pre.get("wall_time_s") is not None else None,
-            "pretrain_loss": loss, "pretrain_acc": acc}
+            "pretrain_loss": finals.get("final_loss"), "pretrain_acc": finals.get("final_acc")}
 
 
 def _fmt(x, digits=1, scale=1.0, suffix="") -> str:

@@ -21,6 +21,16 @@ def last_epoch_means(metrics_csv: str | Path, keys: tuple[str, ...]) -> dict[str
     return {k: float(last[k].mean()) if k in last and last[k].notna().any() else None for k in keys}
 
 
+def masked_lm_finals(log_csv: str | Path) -> dict[str, float | None]:
+    """A pretraining's final_loss / final_acc (its meta.json; mhalab.analysis.lra reads the same from the log of
+    encoders pretrained before this rule): masked-LM loss and masked-token accuracy over the last epoch's logged
+    steps; None without a log."""
+    if not Path(log_csv).exists():
+        return {"final_loss": None, "final_acc": None}
+    m = last_epoch_means(log_csv, ("pretrain/loss", "pretrain/acc"))
+    return {"final_loss": m["pretrain/loss"], "final_acc": m["pretrain/acc"]}
+
+
 def loss_curves(metrics_csv: str | Path, out_png: str | Path) -> Path:
     """Training loss per step (smoothed too) and validation loss and accuracy per epoch; for a pretraining log
     (mhalab.train.pretrain), its masked-LM loss and masked-token accuracy per step."""

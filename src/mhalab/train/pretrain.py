@@ -45,7 +45,7 @@ from mhalab.model import SequenceClassifier
 from mhalab.train.callbacks import GracefulStop, ResumeState
 from mhalab.train.checkpoint import SHAPE_KEYS
 from mhalab.train.csv_logger import ContinuedCSVLogger
-from mhalab.train.curves import last_epoch_means, loss_curves
+from mhalab.train.curves import loss_curves, masked_lm_finals
 from mhalab.train.module import adamw_with_schedule
 
 log = logging.getLogger("mhalab")
@@ -142,15 +142,6 @@ def pretrained_encoder(cfg: DictConfig, dm, callbacks: tuple = ()) -> tuple[dict
     return state, dict(meta, cached=True)
 
 
-def _final(log_csv: Path) -> dict[str, float | None]:
-    """meta's final_loss / final_acc: the masked-LM loss and masked-token accuracy over the last epoch's logged
-    steps (mhalab.analysis.lra reads the same from the log of encoders pretrained before this rule)."""
-    if not log_csv.exists():
-        return {"final_loss": None, "final_acc": None}
-    m = last_epoch_means(log_csv, ("pretrain/loss", "pretrain/acc"))
-    return {"final_loss": m["pretrain/loss"], "final_acc": m["pretrain/acc"]}
-
-
 def _pretrain(cfg: DictConfig, dm, d: Path, extra_callbacks: tuple = ()) -> None:
     """Masked-LM on the train split, on one device; encoder.pt written last (it marks the dir complete).
 
@@ -186,7 +177,7 @@ def _pretrain(cfg: DictConfig, dm, d: Path, extra_callbacks: tuple = ()) -> None
             "data": dm.name, "tokenizer": dm.tokenizer_path.name, "train_texts": len(dm.splits["train"]),
             "train_tokens": sum(dm.splits["train"].lengths), "tokens_seen": module.tokens_seen,
             "epochs": trainer.current_epoch,
-            "global_step": trainer.global_step, **_final(d / "logs" / "metrics.csv"),
+            "global_step": trainer.global_step, **masked_lm_finals(d / "logs" / "metrics.csv"),
             "wall_time_s": seconds + previous.get("wall_time_s", 0.0)}
     write_atomic(d / "meta.json", lambda f: f.write_text(json.dumps(meta, indent=2)))
     if (d / "logs" / "metrics.csv").exists():
