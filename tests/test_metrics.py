@@ -269,3 +269,46 @@ def test_throughput_logs_real_tokens_samples_and_flops_per_second_of_each_window
     logged = {k for _, m in fitted.logger.rows for k in m}
     assert not any("mfu" in k or k.startswith(("validate/", "test/device", "train/tokens_per_s")) for k in logged)
     assert not [w for w in fitted.warned if "flops" in w.lower()]  # CPU: no peak, no MFU, and no warning about it
+
+
+class _Losses(L.Callback):
+    """Per training batch and per validation batch: the loss by the definition, from the logits (lr = 0,
+    dropout = 0: the logits the step saw). Smoothed (Szegedy et al. 2016): the target is 1 - eps on the
+    label plus eps / K on every class, so loss = (1 - eps) * NLL(label) + eps * mean over classes of -log p."""
+
+    def __init__(self, eps: float):
+        self.eps, self.train, self.train_plain, self.val = eps, [], [], []
+
+    @staticmethod
+    def _parts(pl_module, batch):
+        with torch.no_grad():
+            logp = pl_module(batch["input_ids"], batch["padding_mask"]).double().log_softmax(-1)
+        return -logp.gather(1, batch["labels"][:, None]).squeeze(1), -logp.mean(-1)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        nll, uniform = self._parts(pl_module, batch)
+        self.train.append(float(((1 - self.eps) * nll + self.eps * uniform).mean()))
+        self.train_plain.append(float(nll.mean()))
+
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
+        if not trainer.sanity_checking:
+            self.val.append((float(self._parts(pl_module, batch)[0].sum()), len(batch["labels"])))
+
+
+def test_label_smoothing_changes_the_training_loss_by_its_definition_and_leaves_val_loss_plain(tmp_path, toy_data_dir):
+    cfg = compose_train(["dropout=0.0"], tmp_path / "out", toy_data_dir, tmp_path / "cache")
+    dm, _ = build(cfg)
+    module = Classifier(model=OmegaConf.to_container(cfg.model, resolve=True), vocab_size=dm.vocab_size,
+                        num_classes=dm.num_classes, pad_id=dm.pad_id, lr=0.0, label_smoothing=0.3)
+    logger, losses = _Capture(), _Losses(eps=0.3)
+    trainer = L.Trainer(accelerator="cpu", max_epochs=1, limit_train_batches=3, num_sanity_val_steps=0,
+                        log_every_n_steps=1, logger=logger, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[losses])
+    trainer.fit(module, datamodule=dm)
+    logged = logger.values("train/loss")
+    assert len(logged) == 3
+    np.testing.assert_allclose(logged, losses.train, rtol=1e-5)
+    # and not the plain cross-entropy, which the same rule would miss if the logits were exactly uniform
+    assert min(abs(a - b) for a, b in zip(losses.train, losses.train_plain)) > 1e-4
+    val = sum(s for s, _ in losses.val) / sum(n for _, n in losses.val)  # the plain NLL, example-weighted
+    np.testing.assert_allclose(logger.values("val/loss")[-1], val, rtol=1e-5)

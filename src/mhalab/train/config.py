@@ -118,6 +118,7 @@ def validate(cfg: DictConfig) -> None:
     from mhalab.model import check_attention, check_model
     from mhalab.nn.attention import QUERY_BLOCK, check_blocking, check_heads
     from mhalab.nn.encoder import ACTIVATIONS
+    from mhalab.train.module import check_label_smoothing
 
     m = cfg.model
     dim, heads = _int(cfg, "model.dim", 1), _int(cfg, "model.heads", 1)
@@ -142,6 +143,7 @@ def validate(cfg: DictConfig) -> None:
     _ok(check_blocking, m.get("block_min_scores"), m.get("query_block", QUERY_BLOCK), "model.")  # CPU query blocks
 
     _check_optimizer(cfg, "optim")
+    _ok(check_label_smoothing, _float(cfg, "optim.label_smoothing") or 0.0)
 
     t = cfg.trainer
     max_steps = _int(cfg, "trainer.max_steps", -1) if t.get("max_steps") is not None else -1

@@ -58,6 +58,11 @@ def _log_name(label: str) -> str:
     return re.sub(r"[^0-9A-Za-z_.-]+", "_", str(label)).strip("_") or "_"
 
 
+def check_label_smoothing(eps: float) -> None:
+    if not 0.0 <= eps < 1.0:
+        raise ValueError(f"optim.label_smoothing={eps} must be in [0, 1), e.g. 0.1.")
+
+
 class NonFiniteLossError(RuntimeError):
     """The loss became NaN or infinite; the run stops instead of training on garbage."""
 
@@ -74,6 +79,7 @@ class Classifier(L.LightningModule):
         betas: tuple[float, float] = (0.9, 0.98),
         warmup_ratio: float = 0.06,
         schedule: str = "cosine",
+        label_smoothing: float = 0.0,
         compile: bool = False,
         checkpoint_extras: dict | None = None,
         label_names: list[str] | None = None,
@@ -81,6 +87,7 @@ class Classifier(L.LightningModule):
         super().__init__()
         if schedule not in SCHEDULES:
             raise ValueError(f"unknown optim.schedule '{schedule}'; choose one of {', '.join(SCHEDULES)}.")
+        check_label_smoothing(label_smoothing)
         if label_names is not None and len(label_names) != num_classes:
             raise ValueError(f"label_names has {len(label_names)} names ({list(label_names)}) for "
                              f"num_classes={num_classes}; give one name per class, or none.")
@@ -124,7 +131,8 @@ class Classifier(L.LightningModule):
 
     def training_step(self, batch, batch_idx):
         logits = self._logits(batch)
-        loss = F.cross_entropy(logits, batch["labels"])
+        # the training loss only: val/test loss stay the plain cross-entropy, comparable across settings
+        loss = F.cross_entropy(logits, batch["labels"], label_smoothing=self.hparams.label_smoothing)
         self._check_finite(loss, batch_idx)
         # host ints only (shapes and the collate's num_tokens): no device sync
         real = batch_tokens(batch)
