@@ -151,6 +151,13 @@ CASES = [
          "column with the texts>."),
     Case("attention-map-ckpt-missing", "scripts/attention_map.py", [f"ckpt_path={MISSING}", "text=hi"],
          f"ckpt_path={MISSING} does not exist; pass a .ckpt file or a run dir."),
+    Case("ensemble-no-runs", "mhalab-ensemble", [],
+         "runs is required: mhalab-ensemble runs=<a sweep dir> or 'runs=[<run dir>,<run dir>]'."),
+    Case("ensemble-not-a-run", "mhalab-ensemble", ["runs={tmp}/no-such-dir"],
+         "runs: {tmp}/no-such-dir is not a .ckpt file, a run dir (with metrics.json) or a sweep dir (run dirs "
+         "inside); pass runs=<sweep dir> or runs=[<run dir>,...]."),
+    Case("ensemble-of-one", "mhalab-ensemble", ["runs=[{tmp}/code.ckpt]"],
+         "an ensemble needs 2 or more finished runs; {tmp}/code.ckpt gave 1."),
     Case("baseline-bad-seeds", "mhalab-baseline", ["seeds=[-1]"],
          "seeds=[-1] must be a list of integers >= 0, e.g. seeds=[0,1,2]."),
     Case("accuracy-no-such-dir", "mhalab-accuracy", ["{tmp}/no-such-dir"],

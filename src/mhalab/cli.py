@@ -1,4 +1,5 @@
-"""The console commands (pyproject's [project.scripts]): mhalab-train, mhalab-eval, mhalab-predict, mhalab-baseline.
+"""The console commands (pyproject's [project.scripts]): mhalab-train, mhalab-eval, mhalab-predict, mhalab-ensemble,
+mhalab-baseline.
 
 mhalab-report, mhalab-bench and mhalab-compare live with their code in mhalab.analysis. Every command
 prints a user's mistake as one line and exits 2 (mhalab.errors.one_line_errors).
@@ -53,6 +54,11 @@ def evaluate() -> None:
 def predict() -> None:
     """mhalab-predict: one JSON line of label and class probabilities per input text (conf/predict.yaml)."""
     _hydra_command("predict", "mhalab.train.predict")
+
+
+def ensemble() -> None:
+    """mhalab-ensemble: the averaged probabilities of several runs (a sweep's seeds), scored on one split."""
+    _hydra_command("ensemble", "mhalab.train.ensemble")
 
 
 def baseline() -> None:

@@ -30,14 +30,7 @@ def evaluate(ckpt_path: str | Path, split: str = "test", data_dir: str | None = 
     checkpoint on one split; `classes`: per-class precision / recall / F1, support and the confusion matrix
     (mhalab.train.class_report), by the label names the checkpoint carries."""
     loaded = checkpoint.load_model(ckpt_path)  # the one loader: a .ckpt, a run dir, or `last`
-    data_cfg = dict(loaded.data)
-    if data_dir:
-        data_cfg["data_dir"] = str(data_dir)
-    dm = instantiate(data_cfg)
-    known = [s for s in SPLITS if s in dm.files or (s == "validation" and dm.dev_split)]
-    if split not in known:  # before any file is read
-        raise ConfigError(f"split={split} is not a split of this data set; choose one of {', '.join(known)}.")
-    dm.validate()
+    dm = datamodule_of(loaded, split, data_dir)
     texts, labels = dm.read_splits()[split]  # checked rows, with the same seeded dev hold-out as in training
     encoded = EncodedSplit.from_lists(encode_texts(loaded.tokenizer, texts, loaded.max_len), labels)
     sampler = LengthBatchSampler(encoded.lengths, batch_size or dm.eval_batch_size, shuffle=False, shard=False)
@@ -49,6 +42,20 @@ def evaluate(ckpt_path: str | Path, split: str = "test", data_dir: str | None = 
     return {"checkpoint": str(loaded.path), "split": split, "examples": len(encoded),
             **{k.replace("test/", f"{split}/"): float(v) for k, v in result.items()},
             "classes": loaded.module.class_reports["test"]}  # per class, by the checkpoint's label names
+
+
+def datamodule_of(loaded: checkpoint.Loaded, split: str, data_dir: str | None = None):
+    """The datamodule a checkpoint was trained with (its data files now under `data_dir`, if given), checked, and
+    checked to have `split`: read_splits() then gives that split's rows as training saw them."""
+    data_cfg = dict(loaded.data)
+    if data_dir:
+        data_cfg["data_dir"] = str(data_dir)
+    dm = instantiate(data_cfg)
+    known = [s for s in SPLITS if s in dm.files or (s == "validation" and dm.dev_split)]
+    if split not in known:  # before any file is read
+        raise ConfigError(f"split={split} is not a split of this data set; choose one of {', '.join(known)}.")
+    dm.validate()
+    return dm
 
 
 def _class_table(report: dict):

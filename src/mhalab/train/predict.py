@@ -85,23 +85,31 @@ def _jsonl_texts(f, source: str, field: str) -> list[str]:
 
 
 @torch.no_grad()
-def predict(loaded: checkpoint.Loaded, texts: Sequence[str], batch_size: int = 64,
-            advance: Callable[[int], None] | None = None) -> list[dict]:
-    """{"text", "label", "probs"} per text, in the order of `texts`. `advance(n)` is called per batch."""
+def probabilities(loaded: checkpoint.Loaded, texts: Sequence[str], batch_size: int = 64,
+                  advance: Callable[[int], None] | None = None) -> torch.Tensor:
+    """(len(texts), num_classes) class probabilities, in the order of `texts`. `advance(n)` is called per batch."""
     model = loaded.module.model  # the plain SequenceClassifier, in eval mode
     device = next(model.parameters()).device
     ids = encode_texts(loaded.tokenizer, texts, loaded.max_len)
     order = sorted(range(len(ids)), key=lambda i: len(ids[i]))  # similar lengths share a batch
     collate = Collate(model.pad_id)
-    probs: list[list[float]] = [[] for _ in ids]
+    probs = None
     for start in range(0, len(order), batch_size):
         rows = order[start : start + batch_size]
         batch = collate([(torch.tensor(ids[i]), 0) for i in rows])
         logits = model(batch["input_ids"].to(device), batch["padding_mask"].to(device))  # (B, C)
-        for i, p in zip(rows, logits.float().softmax(-1).cpu().tolist()):
-            probs[i] = p  # back to the input's order
+        if probs is None:
+            probs = torch.empty(len(ids), logits.shape[-1])
+        probs[rows] = logits.float().softmax(-1).cpu()  # back to the input's order
         if advance is not None:
             advance(len(rows))
+    return probs
+
+
+def predict(loaded: checkpoint.Loaded, texts: Sequence[str], batch_size: int = 64,
+            advance: Callable[[int], None] | None = None) -> list[dict]:
+    """{"text", "label", "probs"} per text, in the order of `texts`. `advance(n)` is called per batch."""
+    probs = probabilities(loaded, texts, batch_size, advance).tolist()
     names = [loaded.label(c) for c in range(len(probs[0]))]
     return [{"text": t, "label": names[max(range(len(p)), key=p.__getitem__)], "probs": dict(zip(names, p))}
             for t, p in zip(texts, probs)]
