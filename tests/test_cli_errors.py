@@ -158,6 +158,12 @@ CASES = [
          "inside); pass runs=<sweep dir> or runs=[<run dir>,...]."),
     Case("ensemble-of-one", "mhalab-ensemble", ["runs=[{tmp}/code.ckpt]"],
          "an ensemble needs 2 or more finished runs; {tmp}/code.ckpt gave 1."),
+    # a sweep member's dir (named key=value,...) reaches the command intact, not as Hydra's grammar error
+    Case("eval-member-dir", "mhalab-eval", ["ckpt_path={tmp}/sweep/data=trec,seed=0"],
+         "ckpt_path={tmp}/sweep/data=trec,seed=0 does not exist; pass a .ckpt file or a run dir."),
+    Case("init-from-member-dir", "train.py", ["init_from={tmp}/sweep/seed=0"],
+         "init_from={tmp}/sweep/seed=0 does not exist; pass a pretraining dir (<cache>/pretrain/<data>/mlm-...) or "
+         "its encoder.pt."),
     Case("baseline-bad-seeds", "mhalab-baseline", ["seeds=[-1]"],
          "seeds=[-1] must be a list of integers >= 0, e.g. seeds=[0,1,2]."),
     Case("accuracy-no-such-dir", "mhalab-accuracy", ["{tmp}/no-such-dir"],
@@ -342,3 +348,12 @@ def test_unreadable_metrics_json_is_kept_aside_and_the_run_goes_on(outcomes, tmp
     assert len(aside) == 1, f"{sorted(x.name for x in run.iterdir())}" + _show(p)
     assert aside[0].read_bytes() == b'{"status": "finished", "final": {"test/ac'
     assert json.loads((run / "metrics.json").read_text())["status"] == "finished"
+
+
+def test_quote_paths_quotes_only_path_values_that_hold_an_equals_sign():
+    from mhalab.cli import quote_paths
+
+    argv = ["ckpt_path=multirun/x/data=trec,seed=0", "+init_from=a/b=1", "heads=4", "runs=multirun/x",
+            "input='a=b'", "runs=[a,b]", "seed=0,1", "tags=[a=b]"]
+    assert quote_paths(argv) == ["ckpt_path='multirun/x/data=trec,seed=0'", "+init_from='a/b=1'", "heads=4",
+                                 "runs=multirun/x", "input='a=b'", "runs=[a,b]", "seed=0,1", "tags=[a=b]"]

@@ -7,7 +7,26 @@ prints a user's mistake as one line and exits 2 (mhalab.errors.one_line_errors).
 
 from __future__ import annotations
 
+import sys
+
 from mhalab.errors import one_line_errors
+
+# Keys whose values are paths. A sweep member's run dir is named by its overrides (`data=trec,seed=0`: conf/train.yaml,
+# hydra.sweep.subdir), and Hydra's override grammar cannot read an `=` in an unquoted value, so the commands pass such
+# a value on quoted: `mhalab-eval ckpt_path=multirun/x/seed=0` works as typed.
+PATH_KEYS = ("ckpt_path", "init_from", "input", "output", "out", "runs", "data_dir", "paths.data_dir",
+             "paths.cache_dir", "hydra.run.dir", "hydra.sweep.dir")
+
+
+def quote_paths(argv: list[str]) -> list[str]:
+    """argv with every `<path key>=<value holding '='>` quoted for Hydra (values already quoted, and lists, kept)."""
+    out = []
+    for arg in argv:
+        key, sep, value = arg.partition("=")
+        if sep and key.lstrip("+~") in PATH_KEYS and "=" in value and value[:1] not in "'\"[" and "'" not in value:
+            arg = f"{key}='{value}'"
+        out.append(arg)
+    return out
 
 # ------------------------------------------------------------------------------------ console scripts
 # Each imports what it needs when it runs, so `import mhalab.cli` stays cheap. Hydra's key=value style for all.
@@ -26,6 +45,7 @@ def train() -> None:
 
         return run(cfg)
 
+    sys.argv[1:] = quote_paths(sys.argv[1:])  # hydra.main reads sys.argv
     main()
 
 
@@ -43,6 +63,7 @@ def _hydra_command(config_name: str, module: str) -> None:
     def main(cfg):
         return importlib.import_module(module).command(cfg)
 
+    sys.argv[1:] = quote_paths(sys.argv[1:])  # hydra.main reads sys.argv
     main()
 
 
