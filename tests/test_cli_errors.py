@@ -158,6 +158,8 @@ CASES = [
          "inside); pass runs=<sweep dir> or runs=[<run dir>,...]."),
     Case("ensemble-of-one", "mhalab-ensemble", ["runs=[{tmp}/code.ckpt]"],
          "an ensemble needs 2 or more finished runs; {tmp}/code.ckpt gave 1."),
+    Case("ensemble-size-1", "mhalab-ensemble", ["runs=[{tmp}/code.ckpt,{tmp}/code.ckpt]", "size=1"],
+         "size=1 must be an integer from 2 to the 2 finished members (or null: one ensemble of them all)."),
     # a sweep member's dir (named key=value,...) reaches the command intact, not as Hydra's grammar error
     Case("eval-member-dir", "mhalab-eval", ["ckpt_path={tmp}/sweep/data=trec,seed=0"],
          "ckpt_path={tmp}/sweep/data=trec,seed=0 does not exist; pass a .ckpt file or a run dir."),

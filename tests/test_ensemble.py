@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import compose_train
+from scipy import stats
 from sklearn.metrics import accuracy_score, f1_score
 
 from mhalab.errors import ConfigError
@@ -89,3 +90,19 @@ def test_members_that_read_different_rows_of_the_split_are_refused_naming_the_fi
     torch.save(ckpt, tmp / "other.ckpt")
     with pytest.raises(ConfigError, match=r"reads another test split than .* \(63 vs 64 rows"):
         score([checkpoint.resolve(rec["best"]["checkpoint"]), tmp / "other.ckpt"], "test")
+
+
+def test_size_groups_consecutive_members_and_reports_each_ensembles_gain_over_its_members(runs):
+    tmp, rec = runs
+    a, b = checkpoint.resolve(rec["best"]["checkpoint"]), tmp / "perturbed.ckpt"
+    res = score([a, a, b, b, a], "test", size=2)  # ensembles {a, a} and {b, b}: each is one model; the 5th is left out
+    single = score([a, b], "test")["members"]
+    assert [e["members"] for e in res["ensembles"]] == [[0, 1], [2, 3]] and res["left_out"] == [4]
+    assert [e["acc"] for e in res["ensembles"]] == pytest.approx([m["acc"] for m in single], abs=1e-6)
+    assert [e["gain"] for e in res["ensembles"]] == pytest.approx([0.0, 0.0], abs=1e-6)
+    accs = [e["acc"] for e in res["ensembles"]]
+    half = stats.t.ppf(0.975, 1) * np.std(accs, ddof=1) / np.sqrt(2)
+    assert res["ensemble_acc"]["mean"] == pytest.approx(np.mean(accs))
+    assert res["ensemble_acc"]["ci"] == pytest.approx([np.mean(accs) - half, np.mean(accs) + half])
+    assert res["test/acc"] == pytest.approx(np.mean(accs))
+    assert len(res["members"]) == 5 and res["member_mean_acc"] == pytest.approx(np.mean([m["acc"] for m in res["members"]]))

@@ -1,6 +1,6 @@
 """An ensemble of trained runs, scored on one split: mhalab-ensemble.
 
-    mhalab-ensemble runs=multirun/<sweep> [split=test] [out=ensemble.json]
+    mhalab-ensemble runs=multirun/<sweep> [size=3] [split=test] [out=ensemble.json]
     mhalab-ensemble 'runs=[outputs/<run a>,outputs/<run b>]'
 
 The members' class probabilities are averaged, example by example, and the average's arg-max is the
@@ -8,7 +8,8 @@ ensemble's answer (the "averaging" ensemble of Dietterich 2000; seeds are the ch
 Each member is a run's tested checkpoint (metrics.json's best.checkpoint: the one its test figures are of)
 and encodes the texts with its own tokenizer, so members trained on different hold-outs or tokenizers
 combine; they must agree on the split's rows and the label names. Needs nothing but the run dirs and
-the data files, as mhalab-eval.
+the data files, as mhalab-eval. size=k scores every k consecutive members (in seed order) as one
+ensemble and reports the ensembles' mean with a 95% t-interval: 9 seeds give 3 ensembles of 3.
 """
 
 from __future__ import annotations
@@ -16,8 +17,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
+from scipy import stats
 from torchmetrics.functional.classification import multiclass_f1_score
 
 from mhalab.errors import CheckpointError, ConfigError
@@ -41,7 +44,7 @@ def tested_checkpoint(run_dir: Path) -> Path:
 
 def members(runs: list[str]) -> tuple[list[Path], list[Path]]:
     """(checkpoints, skipped run dirs). Each entry of `runs`: a .ckpt file, a run dir, or a sweep dir (its
-    finished members, by name; unfinished ones are skipped and returned)."""
+    finished members in seed order; unfinished ones are skipped and returned)."""
     ckpts, skipped = [], []
     for entry in runs:
         p = Path(entry)
@@ -49,8 +52,8 @@ def members(runs: list[str]) -> tuple[list[Path], list[Path]]:
             ckpts.append(checkpoint.resolve(p))
         elif (p / RECORD).is_file():
             ckpts.append(tested_checkpoint(p))
-        elif p.is_dir() and (found := sorted(d.parent for d in p.glob(f"*/{RECORD}"))):
-            for run_dir in found:
+        elif p.is_dir() and (found := [d.parent for d in p.glob(f"*/{RECORD}")]):
+            for run_dir in sorted(found, key=lambda d: (_seed(d), d.name)):
                 try:
                     ckpts.append(tested_checkpoint(run_dir))
                 except CheckpointError:
@@ -64,11 +67,15 @@ def members(runs: list[str]) -> tuple[list[Path], list[Path]]:
     return ckpts, skipped
 
 
-def score(ckpts: list[Path], split: str = "test", data_dir: str | None = None, batch_size: int = 64,
-          device: str = "cpu") -> dict:
-    """{split, examples, members: [{checkpoint, acc}], member_mean_acc, <split>/acc, <split>/f1, <split>/loss}:
-    every member's accuracy, and the averaged probabilities' accuracy, macro-F1 and negative log-likelihood."""
-    rows, names, probs, accs = None, None, [], []
+def _seed(run_dir: Path) -> int:
+    seed = json.loads((run_dir / RECORD).read_text()).get("seed")
+    return seed if isinstance(seed, int) else -1
+
+
+def member_probs(ckpts: list[Path], split: str = "test", data_dir: str | None = None, batch_size: int = 64,
+                 device: str = "cpu") -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """(labels (N,), each member's class probabilities (N, C)) on the split's rows, in the data file's order."""
+    rows, names, probs = None, None, []
     read: dict[str, tuple[list[str], list[int]]] = {}  # one read per distinct data config
     for path in ckpts:
         loaded = checkpoint.load_model(path, device)
@@ -85,18 +92,50 @@ def score(ckpts: list[Path], split: str = "test", data_dir: str | None = None, b
         elif loaded.label_names != names:
             raise ConfigError(f"{path} has the classes {loaded.label_names}, {first} has {names}; an ensemble "
                               f"averages the same classes.")
-        p = probabilities(loaded, texts, batch_size)  # (N, C)
-        probs.append(p)
-        accs.append(float((p.argmax(-1) == torch.tensor(labels)).float().mean()))
-    y = torch.tensor(rows[1])
-    avg = torch.stack(probs).mean(0)  # (N, C)
+        probs.append(probabilities(loaded, texts, batch_size))
+    return torch.tensor(rows[1]), probs
+
+
+def _scores(probs: torch.Tensor, y: torch.Tensor) -> dict:
+    """acc, macro f1 and the negative log-likelihood of (N, C) probabilities."""
+    return {"acc": float((probs.argmax(-1) == y).float().mean()),
+            "f1": float(multiclass_f1_score(probs, y, probs.shape[-1], average="macro")),
+            "loss": float(-probs.gather(1, y[:, None]).clamp_min(1e-12).log().mean())}
+
+
+def _mean_ci(values: list[float]) -> dict:
+    """mean and its two-sided 95% t-interval (none for one value)."""
+    mean = float(np.mean(values))
+    if len(values) < 2:
+        return {"mean": mean, "ci": None}
+    low, high = stats.t.interval(0.95, len(values) - 1, loc=mean, scale=stats.sem(values))
+    return {"mean": mean, "ci": [float(low), float(high)]}
+
+
+def score(ckpts: list[Path], split: str = "test", data_dir: str | None = None, batch_size: int = 64,
+          device: str = "cpu", size: int | None = None) -> dict:
+    """Each member's accuracy; the ensemble of them all, or (size=k) of each k consecutive members (a sweep's
+    seeds 0..k-1, k..2k-1, ...; a remainder under k is left out). Per ensemble: acc, f1, loss (the averaged
+    probabilities' NLL), the mean accuracy of its members and the gain over it; over the ensembles: the means,
+    with 95% t-intervals (`<split>/acc`, `<split>/f1`, `<split>/loss`: the ensembles' means)."""
+    y, probs = member_probs(ckpts, split, data_dir, batch_size, device)
+    accs = [_scores(p, y)["acc"] for p in probs]
+    k = size or len(ckpts)
+    groups = [list(range(i, i + k)) for i in range(0, len(ckpts) - k + 1, k)]
+    ensembles = []
+    for g in groups:
+        e = _scores(torch.stack([probs[i] for i in g]).mean(0), y)  # the average of (N, C): (N, C)
+        mean_members = sum(accs[i] for i in g) / len(g)
+        ensembles.append({"members": g, **e, "member_mean_acc": mean_members, "gain": e["acc"] - mean_members})
     return {
-        "split": split, "examples": len(y),
+        "split": split, "examples": len(y), "size": k,
         "members": [{"checkpoint": str(c), "acc": a} for c, a in zip(ckpts, accs)],
-        "member_mean_acc": sum(accs) / len(accs),
-        f"{split}/acc": float((avg.argmax(-1) == y).float().mean()),
-        f"{split}/f1": float(multiclass_f1_score(avg, y, avg.shape[-1], average="macro")),
-        f"{split}/loss": float(-avg.gather(1, y[:, None]).clamp_min(1e-12).log().mean()),
+        "left_out": list(range(len(groups) * k, len(ckpts))),
+        "ensembles": ensembles,
+        "member_acc": _mean_ci(accs), "member_mean_acc": sum(accs) / len(accs),
+        "ensemble_acc": _mean_ci([e["acc"] for e in ensembles]),
+        "gain": _mean_ci([e["gain"] for e in ensembles]),
+        **{f"{split}/{m}": float(np.mean([e[m] for e in ensembles])) for m in ("acc", "f1", "loss")},
     }
 
 
@@ -108,8 +147,13 @@ def _short_names(names: list[str]) -> list[str]:
     return short if all(short) and len(set(short)) == len(short) else names
 
 
+def _pct(stat: dict, sign: str = "") -> str:
+    ci = f" [{100 * stat['ci'][0]:{sign}.1f}, {100 * stat['ci'][1]:{sign}.1f}]" if stat["ci"] else ""
+    return f"{100 * stat['mean']:{sign}.1f}{ci}"
+
+
 def command(cfg: DictConfig) -> dict:
-    """mhalab-ensemble: each member's accuracy and the ensemble's, as a table (and as JSON to `out`)."""
+    """mhalab-ensemble: each member's accuracy and each ensemble's, as tables (and as JSON to `out`)."""
     from rich.console import Console
     from rich.table import Table
 
@@ -120,18 +164,30 @@ def command(cfg: DictConfig) -> dict:
     if isinstance(batch_size, bool) or not str(batch_size).isdigit() or int(batch_size) < 1:
         raise ConfigError(f"batch_size={batch_size!r} must be a positive integer, e.g. 64.")
     ckpts, skipped = members(runs)
-    res = score(ckpts, str(cfg.split), cfg.data_dir, int(batch_size), str(cfg.device))
+    size = cfg.size
+    if size is not None and (isinstance(size, bool) or not str(size).isdigit() or not 2 <= int(size) <= len(ckpts)):
+        raise ConfigError(f"size={size!r} must be an integer from 2 to the {len(ckpts)} finished members "
+                          f"(or null: one ensemble of them all).")
+    res = score(ckpts, str(cfg.split), cfg.data_dir, int(batch_size), str(cfg.device), int(size) if size else None)
     res["skipped"] = [str(d) for d in skipped]
-    split = res["split"]
-    table = Table(title=f"ensemble of {len(ckpts)} on {split} ({res['examples']} examples)")
+    split, names = res["split"], _short_names([Path(m["checkpoint"]).parent.parent.name for m in res["members"]])
+    console = Console()
+    members_table = Table(title=f"{len(ckpts)} members on {split} ({res['examples']} examples)")
     for col in ("member", "acc"):
+        members_table.add_column(col)
+    for name, m in zip(names, res["members"]):
+        members_table.add_row(name, f"{100 * m['acc']:.1f}")
+    console.print(members_table)
+    table = Table(title=f"ensembles of {res['size']} (averaged class probabilities)")
+    for col in ("members", "acc", "f1", "loss", "members' mean acc", "gain"):
         table.add_column(col)
-    for name, m in zip(_short_names([Path(m["checkpoint"]).parent.parent.name for m in res["members"]]),
-                       res["members"]):
-        table.add_row(name, f"{m['acc']:.4f}")
-    table.add_row("mean of the members", f"{res['member_mean_acc']:.4f}")
-    table.add_row(f"ensemble (f1 {res[f'{split}/f1']:.4f}, loss {res[f'{split}/loss']:.4f})", f"{res[f'{split}/acc']:.4f}")
-    Console().print(table)
+    for e in res["ensembles"]:
+        table.add_row(" ".join(names[i] for i in e["members"]), f"{100 * e['acc']:.1f}", f"{100 * e['f1']:.1f}",
+                      f"{e['loss']:.4f}", f"{100 * e['member_mean_acc']:.1f}", f"{100 * e['gain']:+.1f}")
+    console.print(table)
+    console.print(f"{split} accuracy, mean [95% t-interval]: ensembles {_pct(res['ensemble_acc'])} "
+                  f"({len(res['ensembles'])}), single members {_pct(res['member_acc'])} ({len(ckpts)}), gain "
+                  f"{_pct(res['gain'], '+')} points" + (f"; members left out: {res['left_out']}" if res["left_out"] else ""))
     for d in skipped:
         Console(stderr=True).print(f"skipped (not finished): {d}")
     if cfg.out:
