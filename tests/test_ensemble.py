@@ -67,16 +67,18 @@ def test_ensemble_scores_the_mean_of_the_members_probabilities_as_sklearn_does(r
     assert res["test/loss"] == pytest.approx(-np.log(avg[np.arange(len(y)), y]).mean(), abs=1e-5)
 
 
-def test_a_sweep_dir_gives_its_finished_members_and_skips_the_unfinished(runs):
+def test_a_sweep_dir_gives_its_finished_members_and_skips_unfinished_or_unreadable_ones(runs):
     tmp, _ = runs
     sweep = tmp / "sweep"
     shutil.copytree(sweep / "s1", sweep / "s2", dirs_exist_ok=True)  # a moved copy: its own checkpoint
     (sweep / "s3").mkdir(exist_ok=True)
     (sweep / "s3" / "metrics.json").write_text(json.dumps({"status": "running"}))
+    (sweep / "s4").mkdir(exist_ok=True)
+    (sweep / "s4" / "metrics.json").write_text('{"status": "fini')  # cut short by a killed process
     ckpts, skipped = members([str(sweep)])
     assert [c.parent.parent.name for c in ckpts] == ["s1", "s2"]
     assert ckpts[1].is_file() and ckpts[1].parent.parent == sweep / "s2"
-    assert skipped == [sweep / "s3"]
+    assert skipped == [sweep / "s3", sweep / "s4"]
 
 
 def test_members_that_read_different_rows_of_the_split_are_refused_naming_the_fix(runs, toy_data_dir):

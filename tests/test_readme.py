@@ -4,6 +4,7 @@ The commands are read from the README's ```bash blocks (a README line that fails
 inside a copy of the checkout so that nothing they write lands in it. What is appended, and why:
 - training runs (`python train.py`, `make train`): 2 batches of train / val / test, 1 epoch, no bar;
 - sweeps (`-m`, `sweep=`, `hparams_search=`): also `seed=0` (one seed per setting) and 2 Optuna trials;
+  a sweep a later `mhalab-ensemble runs=` line reads gets `seed=0,1,2` instead (an ensemble of 3 members);
 - GPU-sized lines (`experiment=article`, `*_gpu`): the CPU, float32, batches of 4 x 32 tokens and one
   layer of the article's width (dim 512, 8 heads, ff 2048): each checkpoint of six would be 230 MB;
 - `make bench`: one short sequence length, one repetition.
@@ -24,6 +25,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from cli_driver import console_scripts
 from conftest import REPO
 
 from mhalab.train import record
@@ -39,9 +41,7 @@ BENCH = "seq_lens=[64] reps=1 warmup=0 memory=false"
 COMPOSE_ONLY = {"trainer=ddp": "needs GPUs", "hydra/launcher=slurm": "needs a SLURM cluster",
                 "sweep=heads_gpu": "a GPU's sweep (tests/test_config_options.py trains its first member on CPU)"}
 NOT_RUN = {("make", "test"): "this suite itself: CI runs it"}
-SCRIPTS = ("mhalab-train", "mhalab-eval", "mhalab-predict", "mhalab-report", "mhalab-bench", "mhalab-compare",
-           "mhalab-baseline", "mhalab-accuracy",
-           "mhalab-attention-map", "mhalab-lra-table", "mhalab-claims")  # pyproject's [project.scripts]
+SCRIPTS = tuple(console_scripts())  # pyproject's [project.scripts]
 
 
 def readme_commands() -> list[list[str]]:
@@ -67,6 +67,8 @@ def _argv(words: list[str]) -> list[str]:
 
 
 COMMANDS = readme_commands()
+ENSEMBLED = {w.split("=", 1)[1] for c in COMMANDS if c[0] == "mhalab-ensemble" for w in c if w.startswith("runs=")}
+ENSEMBLE_SEEDS = ["seed=0,1,2"]
 
 
 def readme_examples() -> list[tuple[str, str]]:
@@ -159,7 +161,8 @@ def _expand(words: list[str], state: dict) -> tuple[list[str], str]:
     if any(key in line for key in COMPOSE_ONLY):
         return [*cmd, "--cfg", "job"], "compose"
     sweep = " -m" in f" {line} " or "sweep=" in line or "hparams_search=" in line
-    extra = TINY + (SWEEP if sweep else []) + (["hydra.sweeper.n_trials=2"] if "hparams_search=" in line else [])
+    seeds = ENSEMBLE_SEEDS if any(f"hydra.sweep.dir={d}" in words for d in ENSEMBLED) else SWEEP
+    extra = TINY + (seeds if sweep else []) + (["hydra.sweeper.n_trials=2"] if "hparams_search=" in line else [])
     if "experiment=article" in line or "_gpu" in line:
         extra += ON_CPU
     if sweep and "hydra.sweep.dir=" not in line:
@@ -215,6 +218,8 @@ def test_readme_command_runs_as_written(words, checkout):
         out_file = next((w.split("=", 1)[1] for w in words if w.startswith("output=")), None)
         lines = ((checkout["root"] / out_file).read_text() if out_file else proc.stdout).splitlines()
         assert len(lines) == 2 and all('"label"' in x and '"probs"' in x for x in lines), lines
+    if words[0] == "mhalab-ensemble":  # the README's sweep of 3 seeds: one ensemble, scored beside its members
+        assert "ensembles of 3" in proc.stdout and "3 members on test" in proc.stdout, proc.stdout[-3000:]
     if words[1:2] == ["compare"]:
         assert "PASS" in proc.stdout
     if words[0] == "mhalab-report" or words[1:2] == ["scripts/report.py"]:

@@ -24,16 +24,17 @@ from scipy import stats
 from torchmetrics.functional.classification import multiclass_f1_score
 
 from mhalab.errors import CheckpointError, ConfigError
-from mhalab.train import checkpoint
+from mhalab.train import checkpoint, record
 from mhalab.train.evaluate import datamodule_of
 from mhalab.train.predict import probabilities
-
-RECORD = "metrics.json"  # a run dir's record (mhalab.train.record), naming the checkpoint its test used
 
 
 def tested_checkpoint(run_dir: Path) -> Path:
     """The checkpoint a finished run was tested with; beside the run dir's checkpoints/ if the run was moved."""
-    rec = json.loads((run_dir / RECORD).read_text())
+    try:
+        rec = record.read(run_dir) or {}
+    except ValueError as e:  # a record cut short or not JSON: named by record.read
+        raise CheckpointError(str(e)) from None
     best = (rec.get("best") or {}).get("checkpoint")
     if rec.get("status") != "finished" or not best:
         raise CheckpointError(f"run {run_dir} has not finished (status: {rec.get('status')}); let it finish, or "
@@ -50,16 +51,16 @@ def members(runs: list[str]) -> tuple[list[Path], list[Path]]:
         p = Path(entry)
         if p.is_file():
             ckpts.append(checkpoint.resolve(p))
-        elif (p / RECORD).is_file():
+        elif (p / record.FILE).is_file():
             ckpts.append(tested_checkpoint(p))
-        elif p.is_dir() and (found := [d.parent for d in p.glob(f"*/{RECORD}")]):
+        elif p.is_dir() and (found := [d.parent for d in p.glob(f"*/{record.FILE}")]):
             for run_dir in sorted(found, key=lambda d: (_seed(d), d.name)):
                 try:
                     ckpts.append(tested_checkpoint(run_dir))
                 except CheckpointError:
                     skipped.append(run_dir)
         else:
-            raise CheckpointError(f"runs: {entry} is not a .ckpt file, a run dir (with {RECORD}) or a sweep dir "
+            raise CheckpointError(f"runs: {entry} is not a .ckpt file, a run dir (with {record.FILE}) or a sweep dir "
                                   f"(run dirs inside); pass runs=<sweep dir> or runs=[<run dir>,...].")
     if len(ckpts) < 2:
         raise ConfigError(f"an ensemble needs 2 or more finished runs; {', '.join(map(str, runs))} gave "
@@ -68,7 +69,10 @@ def members(runs: list[str]) -> tuple[list[Path], list[Path]]:
 
 
 def _seed(run_dir: Path) -> int:
-    seed = json.loads((run_dir / RECORD).read_text()).get("seed")
+    try:
+        seed = (record.read(run_dir) or {}).get("seed")
+    except ValueError:  # unreadable: tested_checkpoint says so
+        seed = None
     return seed if isinstance(seed, int) else -1
 
 
