@@ -19,7 +19,7 @@ from sklearn.metrics import accuracy_score, f1_score
 
 from mhalab.errors import ConfigError
 from mhalab.train import checkpoint
-from mhalab.train.ensemble import members, score
+from mhalab.train.ensemble import member_names, members, score
 from mhalab.train.evaluate import evaluate
 from mhalab.train.predict import probabilities
 from mhalab.train.run import run
@@ -71,13 +71,19 @@ def test_a_sweep_dir_gives_its_finished_members_and_skips_unfinished_or_unreadab
     tmp, _ = runs
     sweep = tmp / "sweep"
     shutil.copytree(sweep / "s1", sweep / "s2", dirs_exist_ok=True)  # a moved copy: its own checkpoint
+    for name, seed in (("s1", 1), ("s2", 0)):  # the overrides a sweep records; s2 as seed 0: first, named by it
+        rec_n = json.loads((sweep / name / "metrics.json").read_text())
+        rec_n["seed"], rec_n["overrides"] = seed, ["data=sst2", "max_epochs=2", f"seed={seed}"]
+        (sweep / name / "metrics.json").write_text(json.dumps(rec_n))
     (sweep / "s3").mkdir(exist_ok=True)
     (sweep / "s3" / "metrics.json").write_text(json.dumps({"status": "running"}))
     (sweep / "s4").mkdir(exist_ok=True)
     (sweep / "s4" / "metrics.json").write_text('{"status": "fini')  # cut short by a killed process
     ckpts, skipped = members([str(sweep)])
-    assert [c.parent.parent.name for c in ckpts] == ["s1", "s2"]
-    assert ckpts[1].is_file() and ckpts[1].parent.parent == sweep / "s2"
+    assert [c.parent.parent.name for c in ckpts] == ["s2", "s1"]  # in seed order
+    assert ckpts[0].is_file() and ckpts[0].parent.parent == sweep / "s2"
+    assert member_names(ckpts) == ["seed=0", "seed=1"]  # the overrides that differ, from the records
+    assert member_names([ckpts[1], tmp / "perturbed.ckpt"])[1] == str(tmp / "perturbed.ckpt")  # no record: the path
     assert skipped == [sweep / "s3", sweep / "s4"]
 
 

@@ -143,12 +143,20 @@ def score(ckpts: list[Path], split: str = "test", data_dir: str | None = None, b
     }
 
 
-def _short_names(names: list[str]) -> list[str]:
-    """Run dir names without the key=value parts every member shares (a sweep's seeds: seed=0, seed=1, ...)."""
-    parts = [n.split(",") for n in names]
+def member_names(ckpts: list[Path]) -> list[str]:
+    """A label per member: its run's overrides (from the run record: a long run dir name is cut and hashed) less
+    those every member shares, e.g. seed=0, seed=1, ...; the checkpoint's path where that does not tell them apart."""
+    def overrides(ckpt: Path) -> list[str]:
+        try:
+            rec = record.read(ckpt.parent.parent) or {}
+        except ValueError:
+            rec = {}
+        return [str(o) for o in rec.get("overrides") or []] or [str(ckpt)]
+
+    parts = [overrides(Path(c)) for c in ckpts]
     common = set.intersection(*map(set, parts))
     short = [",".join(p for p in ps if p not in common) for ps in parts]
-    return short if all(short) and len(set(short)) == len(short) else names
+    return short if all(short) and len(set(short)) == len(short) else [str(c) for c in ckpts]
 
 
 def _pct(stat: dict, sign: str = "") -> str:
@@ -174,7 +182,7 @@ def command(cfg: DictConfig) -> dict:
                           f"(or null: one ensemble of them all).")
     res = score(ckpts, str(cfg.split), cfg.data_dir, int(batch_size), str(cfg.device), int(size) if size else None)
     res["skipped"] = [str(d) for d in skipped]
-    split, names = res["split"], _short_names([Path(m["checkpoint"]).parent.parent.name for m in res["members"]])
+    split, names = res["split"], member_names(ckpts)
     console = Console()
     members_table = Table(title=f"{len(ckpts)} members on {split} ({res['examples']} examples)")
     for col in ("member", "acc"):
