@@ -53,6 +53,8 @@ CASES = [
          "unknown optim.schedule 'step'; choose one of cosine, linear, constant."),
     Case("label-smoothing-1", "train.py", ["optim.label_smoothing=1"],
          "optim.label_smoothing=1.0 must be in [0, 1), e.g. 0.1."),
+    Case("ema-decay-1", "train.py", ["callbacks=ema", "callbacks.ema.decay=1"],
+         "callbacks.ema.decay=1.0 must be in (0, 1), e.g. 0.99 (an average over ~100 steps)."),
     Case("unknown-activation", "train.py", ["model.activation=swish"],
          "unknown model.activation 'swish'; choose one of relu, gelu."),
     Case("window-covers-max-len", "train.py", ["model.attention=window"],  # default window 128 > max_len 32

@@ -118,6 +118,7 @@ def validate(cfg: DictConfig) -> None:
     from mhalab.model import check_attention, check_model
     from mhalab.nn.attention import QUERY_BLOCK, check_blocking, check_heads
     from mhalab.nn.encoder import ACTIVATIONS
+    from mhalab.train.ema import check_decay
     from mhalab.train.module import check_label_smoothing
 
     m = cfg.model
@@ -144,6 +145,8 @@ def validate(cfg: DictConfig) -> None:
 
     _check_optimizer(cfg, "optim")
     _ok(check_label_smoothing, _float(cfg, "optim.label_smoothing") or 0.0)
+    if OmegaConf.select(cfg, "callbacks.ema") is not None:  # callbacks=ema
+        _ok(check_decay, _float(cfg, "callbacks.ema.decay"))
 
     t = cfg.trainer
     max_steps = _int(cfg, "trainer.max_steps", -1) if t.get("max_steps") is not None else -1
