@@ -37,6 +37,21 @@ class Case(NamedTuple):
 
 MISSING = "{tmp}/no-such.ckpt"
 CASES = [
+    # ---------------------------------------------------------------- the command line itself (Hydra's grammar)
+    Case("unknown-key-typo", "train.py", ["heeds=16"],
+         "unknown key 'heeds'; did you mean heads? (a new key needs a +: +heeds=...)"),
+    Case("unknown-nested-key", "train.py", ["model.poolin=max"],
+         "unknown key 'model.poolin'; did you mean model.pooling? (a new key needs a +: +model.poolin=...)"),
+    Case("unknown-key-far-from-any", "train.py", ["zzz=1"], "unknown key 'zzz' (a new key needs a +: +zzz=...)"),
+    Case("unknown-group-option", "train.py", ["model=customm"],
+         "unknown model 'customm'; choose one of custom, official."),
+    Case("unknown-option-in-a-sweep", "train.py", ["-m", "seed=0,1", "callbacks=ema,emaa"],
+         "unknown callbacks 'emaa'; choose one of attention_maps, default, early_stopping, ema, wandb_extras."),
+    Case("unreadable-override", "train.py", ["data.name=a=b"],
+         "cannot read the override 'data.name=a=b' (mismatched input '=' expecting <EOF>); a value holding '=', "
+         "',', spaces or brackets goes in quotes: key='a b'."),
+    Case("eval-unknown-key", "mhalab-eval", ["ckpt_pth={run}"],
+         "unknown key 'ckpt_pth'; did you mean ckpt_path? (a new key needs a +: +ckpt_pth=...)"),
     # ---------------------------------------------------------------- config values
     Case("heads-not-an-int", "train.py", ["heads=four"], "heads='four' must be an integer."),
     Case("heads-do-not-divide-dim", "train.py", ["dim=100", "heads=16"],
@@ -249,7 +264,7 @@ def _train(tmp: Path, toy: Path) -> Path:
     return run
 
 
-ONE_PER_PROCESS = ("heads-not-an-int", "data-latin-1", "eval-no-ckpt-path")
+ONE_PER_PROCESS = ("unknown-key-typo", "heads-not-an-int", "data-latin-1", "eval-no-ckpt-path")
 
 
 def _argv(case: Case, tmp: Path, toy: Path) -> list[str]:

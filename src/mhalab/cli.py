@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 
-from mhalab.errors import one_line_errors
+from mhalab.errors import ConfigError, exit_with, one_line_errors
 
 # Keys whose values are paths. A sweep member's run dir is named by its overrides (`data=trec,seed=0`: conf/train.yaml,
 # hydra.sweep.subdir), and Hydra's override grammar cannot read an `=` in an unquoted value, so the commands pass such
@@ -27,6 +27,88 @@ def quote_paths(argv: list[str]) -> list[str]:
             arg = f"{key}='{value}'"
         out.append(arg)
     return out
+
+
+def check_overrides(config_name: str, argv: list[str]) -> None:
+    """Compose conf/<config_name>.yaml as the command line's first job would be, before Hydra runs it: an override
+    Hydra cannot parse, a key the config lacks or an option a group lacks is one line and exit 2 (Hydra's own
+    message is several lines, exit 1). A sweep's first value stands for the sweep, and a group's every option is
+    composed (model=custom,offical). Flags other than -m (--help, --cfg, ...) are Hydra's business: then nothing
+    is checked here."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import ConfigCompositionException, HydraException, MissingConfigException, OverrideParseException
+
+    from mhalab.train.config import CONF_DIR
+
+    if any(a.startswith("-") and a not in ("-m", "--multirun") for a in argv):
+        return
+    args = [a for a in argv if a not in ("-m", "--multirun")]
+    parser = OverridesParser.create()
+    job, other_options = [], []  # the first job's overrides; a group sweep's other options (model=custom,official)
+    for arg in args:
+        try:
+            (o,) = parser.parse_overrides([arg])
+        except OverrideParseException as e:
+            reason = str(e).splitlines()[0]
+            exit_with(ConfigError(f"cannot read the override {arg!r} ({reason}); a value holding '=', ',', spaces or "
+                                  f"brackets goes in quotes: key='a b'."))
+        if not o.is_sweep_override():
+            job.append(arg)
+            continue
+        try:  # heads=1,2,4 and seed=range(3): the first job's value
+            first, *rest = o.sweep_string_iterator()
+        except HydraException:  # interval(...): a value the sweeper draws
+            continue
+        job.append(f"{o.get_key_element()}={first}")
+        if "/" in o.key_or_group or (CONF_DIR / o.key_or_group).is_dir():
+            other_options += [(len(job) - 1, f"{o.get_key_element()}={v}") for v in rest]
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            compose(config_name, overrides=job, return_hydra_config=True)
+            for i, option in other_options:
+                compose(config_name, overrides=[*job[:i], option, *job[i + 1:]], return_hydra_config=True)
+    except MissingConfigException as e:
+        group, _, name = (e.missing_cfg_file or "").rpartition("/")
+        if not (group and e.options):
+            raise
+        exit_with(ConfigError(f"unknown {group} '{name}'; choose one of {', '.join(e.options)}."))
+    except ConfigCompositionException as e:
+        exit_with(ConfigError(_composition_message(config_name, str(e))))
+
+
+def _composition_message(config_name: str, hydra_message: str) -> str:
+    """Hydra's message for an override of a key the config lacks, as one line with the nearest keys."""
+    import difflib
+    import re
+
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from mhalab.train.config import CONF_DIR
+
+    missing = re.match(r"Could not override '([^']+)'", hydra_message)
+    if not missing:
+        return " ".join(hydra_message.split())
+    key = missing.group(1)
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose(config_name)
+    keys = [".".join(str(k) for k in path) for path in _leaf_paths(OmegaConf.to_container(cfg, resolve=False))]
+    near = difflib.get_close_matches(key, keys, n=1, cutoff=0.75)
+    hint = f"; did you mean {near[0]}?" if near else ""
+    return f"unknown key '{key}'{hint} (a new key needs a +: +{key}=...)"
+
+
+def _leaf_paths(node, prefix=()):
+    """The paths to every value in a nested dict."""
+    if isinstance(node, dict) and node:
+        for k, v in node.items():
+            yield from _leaf_paths(v, (*prefix, k))
+        if prefix:
+            yield prefix
+    else:
+        yield prefix
+
 
 # ------------------------------------------------------------------------------------ console scripts
 # Each imports what it needs when it runs, so `import mhalab.cli` stays cheap. Hydra's key=value style for all.
@@ -46,6 +128,7 @@ def train() -> None:
         return run(cfg)
 
     sys.argv[1:] = quote_paths(sys.argv[1:])  # hydra.main reads sys.argv
+    check_overrides("train", sys.argv[1:])
     main()
 
 
@@ -64,6 +147,7 @@ def _hydra_command(config_name: str, module: str) -> None:
         return importlib.import_module(module).command(cfg)
 
     sys.argv[1:] = quote_paths(sys.argv[1:])  # hydra.main reads sys.argv
+    check_overrides(config_name, sys.argv[1:])
     main()
 
 
