@@ -197,6 +197,22 @@ def test_an_interrupted_pretraining_resumes_mid_epoch_to_the_same_weights(tmp_pa
     assert steps(d) == steps(Path(ref_meta["dir"]))  # the log reads as one run
 
 
+def test_the_encoder_follows_pretrain_seed_and_not_the_seed_of_the_run_that_pretrained_it(tmp_path, toy_data_dir):
+    """Fine-tuning seeds share one cached encoder (the toy data has a dev file: no per-seed hold-out), so the encoder
+    must be the same whichever seed's run pretrains it; pretrain.seed alone changes it."""
+    def encoder(seed: int, pretrain_seed: int) -> dict:
+        out, cache = tmp_path / f"s{seed}p{pretrain_seed}", tmp_path / f"cache_s{seed}p{pretrain_seed}"
+        cfg = compose_train(["pretrain=mlm", "pretrain.epochs=1", "dropout=0.1", f"seed={seed}",
+                             f"pretrain.seed={pretrain_seed}"], out, toy_data_dir, cache)
+        dm = build(compose_train([f"seed={seed}"], out, toy_data_dir, cache))[0]
+        return pretrain.pretrained_encoder(cfg, dm)[0]
+
+    by_seed0, by_seed1, other = encoder(0, 0), encoder(1, 0), encoder(0, 1)
+    for k, v in by_seed0.items():
+        torch.testing.assert_close(by_seed1[k], v, atol=0, rtol=0, msg=k)
+    assert max((other[k] - v).abs().max().item() for k, v in by_seed0.items()) > 1e-3
+
+
 def test_a_fine_tuning_interrupted_and_resumed_keeps_its_encoders_record(pretrained):
     """SIGTERM in fine-tuning; the rerun resumes from last.ckpt (no encoder built) and still records where the
     encoder came from."""

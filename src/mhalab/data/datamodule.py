@@ -314,6 +314,15 @@ class TextClassificationDataModule(L.LightningDataModule):
             generator=torch.Generator().manual_seed(self.seed),
         )
 
+    def shuffled_by(self, seed: int) -> "TextClassificationDataModule":
+        """This data module, set up, with its training batches shuffled by `seed` instead of data.seed: the same
+        splits (the dev hold-out stays data.seed's) in another order. Pretraining orders its batches by
+        pretrain.seed, so a cached encoder does not depend on which fine-tuning seed happened to pretrain it."""
+        self.setup()
+        view = copy.copy(self)  # shares the loaded splits and tokenizer; its own sampler and trainer
+        view.seed, view.train_sampler, view._pending_sampler_state = seed, None, None
+        return view
+
     def train_dataloader(self) -> DataLoader:
         self.train_sampler = self._sampler("train", train=True)
         if self._pending_sampler_state is not None:  # resuming from a checkpoint

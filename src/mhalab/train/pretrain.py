@@ -52,7 +52,7 @@ log = logging.getLogger("mhalab")
 
 OBJECTIVES = ("mlm",)
 WEIGHTS = "encoder.pt"
-CACHE_VERSION = 1  # bump when the pretraining recipe changes what the same settings produce
+CACHE_VERSION = 2  # bump when the pretraining recipe changes what the same settings produce (2: batch order by pretrain.seed)
 NOT_WEIGHTS = ("block_min_scores", "query_block")  # model settings that change speed, never the weights
 DEBUG_CUTS = {"limit_train_batches": 1.0, "fast_dev_run": False, "overfit_batches": 0.0}  # trainer keys: defaults
 
@@ -170,7 +170,9 @@ def _pretrain(cfg: DictConfig, dm, d: Path, extra_callbacks: tuple = ()) -> None
                         **_debug_cuts(cfg), enable_progress_bar=t.enable_progress_bar, enable_model_summary=False, logger=logger,
                         callbacks=callbacks, default_root_dir=str(d))
     t0 = time.time()
-    trainer.fit(module, datamodule=dm, ckpt_path=resume, weights_only=True)  # train_dataloader(): train split only
+    # train_dataloader(): the train split only, in pretrain.seed's order (as the masks and the init): an encoder
+    # never depends on which fine-tuning seed happened to pretrain it
+    trainer.fit(module, datamodule=dm.shuffled_by(int(p["seed"])), ckpt_path=resume, weights_only=True)
     seconds = time.time() - t0
     previous = json.loads((d / "meta.json").read_text()) if resume and (d / "meta.json").exists() else {}
     meta = {"objective": p["objective"], "dir": str(d), "pretrain": p, "model": weight_settings(model_cfg),
