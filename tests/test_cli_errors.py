@@ -42,6 +42,8 @@ CASES = [
          "unknown key 'heeds'; did you mean heads? (a new key needs a +: +heeds=...)"),
     Case("unknown-nested-key", "train.py", ["model.poolin=max"],
          "unknown key 'model.poolin'; did you mean model.pooling? (a new key needs a +: +model.poolin=...)"),
+    Case("unknown-key-of-a-chosen-group", "train.py", ["pretrain=mlm", "pretrain.epoch=3"],
+         "unknown key 'pretrain.epoch'; did you mean pretrain.epochs? (a new key needs a +: +pretrain.epoch=...)"),
     Case("unknown-key-far-from-any", "train.py", ["zzz=1"], "unknown key 'zzz' (a new key needs a +: +zzz=...)"),
     Case("unknown-group-option", "train.py", ["model=customm"],
          "unknown model 'customm'; choose one of custom, official."),

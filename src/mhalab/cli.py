@@ -74,11 +74,12 @@ def check_overrides(config_name: str, argv: list[str]) -> None:
             raise
         exit_with(ConfigError(f"unknown {group} '{name}'; choose one of {', '.join(e.options)}."))
     except ConfigCompositionException as e:
-        exit_with(ConfigError(_composition_message(config_name, str(e))))
+        exit_with(ConfigError(_composition_message(config_name, str(e), job)))
 
 
-def _composition_message(config_name: str, hydra_message: str) -> str:
-    """Hydra's message for an override of a key the config lacks, as one line with the nearest keys."""
+def _composition_message(config_name: str, hydra_message: str, job: list[str]) -> str:
+    """Hydra's message for an override of a key the config lacks, as one line with the nearest key of the config
+    the other overrides compose (pretrain=mlm pretrain.epoch=3: pretrain.epochs)."""
     import difflib
     import re
 
@@ -91,8 +92,9 @@ def _composition_message(config_name: str, hydra_message: str) -> str:
     if not missing:
         return " ".join(hydra_message.split())
     key = missing.group(1)
+    others = [o for o in job if o.split("=", 1)[0].lstrip("+~") != key]
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose(config_name)
+        cfg = compose(config_name, overrides=others, return_hydra_config=True)
     keys = [".".join(str(k) for k in path) for path in _leaf_paths(OmegaConf.to_container(cfg, resolve=False))]
     near = difflib.get_close_matches(key, keys, n=1, cutoff=0.75)
     hint = f"; did you mean {near[0]}?" if near else ""
@@ -100,7 +102,7 @@ def _composition_message(config_name: str, hydra_message: str) -> str:
 
 
 def _leaf_paths(node, prefix=()):
-    """The paths to every value in a nested dict."""
+    """The path of every key in a nested dict, at every depth."""
     if isinstance(node, dict) and node:
         for k, v in node.items():
             yield from _leaf_paths(v, (*prefix, k))
