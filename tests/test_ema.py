@@ -4,6 +4,7 @@ resumes; checked against the formula in mhalab.train.ema, step by step."""
 from __future__ import annotations
 
 import json
+from typing import ClassVar
 
 import lightning as L
 import torch
@@ -19,7 +20,7 @@ DECAY = 0.6  # the warm-up (1 + t) / (10 + t) passes 0.6 at t = 13.5: a 2-epoch 
 class Recorder(L.Callback):
     """The raw weights after every optimizer step (a class list: run() builds the callback from the config)."""
 
-    steps: list[dict[str, torch.Tensor]] = []
+    steps: ClassVar[list[dict[str, torch.Tensor]]] = []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         Recorder.steps.append({k: p.detach().clone() for k, p in pl_module.named_parameters()})

@@ -37,7 +37,12 @@ def check_overrides(config_name: str, argv: list[str]) -> None:
     is checked here."""
     from hydra import compose, initialize_config_dir
     from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.errors import ConfigCompositionException, HydraException, MissingConfigException, OverrideParseException
+    from hydra.errors import (
+        ConfigCompositionException,
+        HydraException,
+        MissingConfigException,
+        OverrideParseException,
+    )
 
     from mhalab.train.config import CONF_DIR
 
@@ -63,38 +68,36 @@ def check_overrides(config_name: str, argv: list[str]) -> None:
         job.append(f"{o.get_key_element()}={first}")
         if "/" in o.key_or_group or (CONF_DIR / o.key_or_group).is_dir():
             other_options += [(len(job) - 1, f"{o.get_key_element()}={v}") for v in rest]
-    try:
-        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            compose(config_name, overrides=job, return_hydra_config=True)
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        def compose_job(overrides: list[str]):
+            return compose(config_name, overrides=overrides, return_hydra_config=True)
+
+        try:
+            compose_job(job)
             for i, option in other_options:
-                compose(config_name, overrides=[*job[:i], option, *job[i + 1:]], return_hydra_config=True)
-    except MissingConfigException as e:
-        group, _, name = (e.missing_cfg_file or "").rpartition("/")
-        if not (group and e.options):
-            raise
-        exit_with(ConfigError(f"unknown {group} '{name}'; choose one of {', '.join(e.options)}."))
-    except ConfigCompositionException as e:
-        exit_with(ConfigError(_composition_message(config_name, str(e), job)))
+                compose_job([*job[:i], option, *job[i + 1:]])
+        except MissingConfigException as e:
+            group, _, name = (e.missing_cfg_file or "").rpartition("/")
+            if not (group and e.options):
+                raise
+            exit_with(ConfigError(f"unknown {group} '{name}'; choose one of {', '.join(e.options)}."))
+        except ConfigCompositionException as e:
+            exit_with(ConfigError(_composition_message(str(e), job, compose_job)))
 
 
-def _composition_message(config_name: str, hydra_message: str, job: list[str]) -> str:
+def _composition_message(hydra_message: str, job: list[str], compose_job) -> str:
     """Hydra's message for an override of a key the config lacks, as one line with the nearest key of the config
     the other overrides compose (pretrain=mlm pretrain.epoch=3: pretrain.epochs)."""
     import difflib
     import re
 
-    from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
-
-    from mhalab.train.config import CONF_DIR
 
     missing = re.match(r"Could not override '([^']+)'", hydra_message)
     if not missing:
         return " ".join(hydra_message.split())
     key = missing.group(1)
-    others = [o for o in job if o.split("=", 1)[0].lstrip("+~") != key]
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose(config_name, overrides=others, return_hydra_config=True)
+    cfg = compose_job([o for o in job if o.split("=", 1)[0].lstrip("+~") != key])
     keys = [".".join(str(k) for k in path) for path in _leaf_paths(OmegaConf.to_container(cfg, resolve=False))]
     near = difflib.get_close_matches(key, keys, n=1, cutoff=0.75)
     hint = f"; did you mean {near[0]}?" if near else ""

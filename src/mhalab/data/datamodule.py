@@ -314,7 +314,7 @@ class TextClassificationDataModule(L.LightningDataModule):
             generator=torch.Generator().manual_seed(self.seed),
         )
 
-    def shuffled_by(self, seed: int) -> "TextClassificationDataModule":
+    def shuffled_by(self, seed: int) -> TextClassificationDataModule:
         """This data module, set up, with its training batches shuffled by `seed` instead of data.seed: the same
         splits (the dev hold-out stays data.seed's) in another order. Pretraining orders its batches by
         pretrain.seed, so a cached encoder does not depend on which fine-tuning seed happened to pretrain it."""

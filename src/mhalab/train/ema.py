@@ -49,7 +49,6 @@ class EMA(WeightAveraging):
     def __init__(self, decay: float = 0.99):
         check_decay(decay)
         super().__init__(use_buffers=False, multi_avg_fn=ema_with_warmup(decay))
-        self.decay = decay
 
     def on_train_end(self, trainer, pl_module):
         pass  # the raw weights stay (see the module's docstring)
