@@ -49,6 +49,11 @@ CASES = [
          "unknown model 'customm'; choose one of custom, official."),
     Case("unknown-option-in-a-sweep", "train.py", ["-m", "seed=0,1", "callbacks=ema,emaa"],
          "unknown callbacks 'emaa'; choose one of attention_maps, default, early_stopping, ema, wandb_extras."),
+    Case("unknown-key-in-an-interval-search", "train.py", ["-m", "hparams_search=optuna", "lrr=interval(1e-4,1e-2)"],
+         "unknown key 'lrr'; did you mean lr? (a new key needs a +: +lrr=...)"),
+    Case("unknown-option-in-the-sweepers-search-space", "train.py",
+         ["-m", "hparams_search=optuna", "+hydra.sweeper.params.model='choice(custom,offical)'"],
+         "unknown model 'offical'; choose one of custom, official."),
     Case("unreadable-override", "train.py", ["data.name=a=b"],
          "cannot read the override 'data.name=a=b' (mismatched input '=' expecting <EOF>); a value holding '=', "
          "',', spaces or brackets goes in quotes: key='a b'."),

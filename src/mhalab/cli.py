@@ -32,26 +32,23 @@ def quote_paths(argv: list[str]) -> list[str]:
 def check_overrides(config_name: str, argv: list[str]) -> None:
     """Compose conf/<config_name>.yaml as the command line's first job would be, before Hydra runs it: an override
     Hydra cannot parse, a key the config lacks or an option a group lacks is one line and exit 2 (Hydra's own
-    message is several lines, exit 1). A sweep's first value stands for the sweep, and a group's every option is
-    composed (model=custom,offical). Flags other than -m (--help, --cfg, ...) are Hydra's business: then nothing
-    is checked here."""
+    message is several lines, exit 1). A sweep's first value stands for the sweep (an interval's start), a group's
+    every option is composed (model=custom,offical), and so are the keys a sweeper searches (hparams_search=optuna's
+    hydra.sweeper.params: a typo there would fail every trial). Flags other than -m (--help, --cfg, ...) are
+    Hydra's business: then nothing is checked here."""
     from hydra import compose, initialize_config_dir
     from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.errors import (
-        ConfigCompositionException,
-        HydraException,
-        MissingConfigException,
-        OverrideParseException,
-    )
+    from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
+    from omegaconf import OmegaConf
 
     from mhalab.train.config import CONF_DIR
 
     if any(a.startswith("-") and a not in ("-m", "--multirun") for a in argv):
         return
-    args = [a for a in argv if a not in ("-m", "--multirun")]
     parser = OverridesParser.create()
     job, other_options = [], []  # the first job's overrides; a group sweep's other options (model=custom,official)
-    for arg in args:
+
+    def add(arg: str) -> None:
         try:
             (o,) = parser.parse_overrides([arg])
         except OverrideParseException as e:
@@ -60,20 +57,30 @@ def check_overrides(config_name: str, argv: list[str]) -> None:
                                   f"brackets goes in quotes: key='a b'."))
         if not o.is_sweep_override():
             job.append(arg)
-            continue
-        try:  # heads=1,2,4 and seed=range(3): the first job's value
-            first, *rest = o.sweep_string_iterator()
-        except HydraException:  # interval(...): a value the sweeper draws
-            continue
+            return
+        first, *rest = _sweep_values(o)
         job.append(f"{o.get_key_element()}={first}")
         if "/" in o.key_or_group or (CONF_DIR / o.key_or_group).is_dir():
-            other_options += [(len(job) - 1, f"{o.get_key_element()}={v}") for v in rest]
+            other_options.extend((len(job) - 1, f"{o.get_key_element()}={v}") for v in rest)
+
+    for arg in argv:
+        if arg not in ("-m", "--multirun"):
+            add(arg)
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         def compose_job(overrides: list[str]):
             return compose(config_name, overrides=overrides, return_hydra_config=True)
 
         try:
-            compose_job(job)
+            cfg = compose_job(job)
+            # the sweeper's search space (a key typed on the command line overrides the config's entry for it)
+            typed = {o.split("=", 1)[0].lstrip("+~") for o in job}
+            searched = OmegaConf.select(cfg, "hydra.sweeper.params")
+            searched = OmegaConf.to_container(searched) if searched else {}
+            for key, value in searched.items():
+                if key.lstrip("+~") not in typed:
+                    add(f"{key}={value}")
+            if searched:
+                compose_job(job)
             for i, option in other_options:
                 compose_job([*job[:i], option, *job[i + 1:]])
         except MissingConfigException as e:
@@ -83,6 +90,21 @@ def check_overrides(config_name: str, argv: list[str]) -> None:
             exit_with(ConfigError(f"unknown {group} '{name}'; choose one of {', '.join(e.options)}."))
         except ConfigCompositionException as e:
             exit_with(ConfigError(_composition_message(str(e), job, compose_job)))
+
+
+def _sweep_values(o) -> list[str]:
+    """A sweep override's values as override strings (heads=1,2,4; seed=range(3)); an interval's start stands for
+    the values a sweeper draws from it (lr=interval(1e-4,1e-2), tag(log, interval(...)))."""
+    from hydra.core.override_parser.types import IntervalSweep
+    from hydra.errors import HydraException
+
+    try:
+        return list(o.sweep_string_iterator())
+    except HydraException:
+        value = o.value()
+        if isinstance(value, IntervalSweep):
+            return [str(value.start)]
+        raise
 
 
 def _composition_message(hydra_message: str, job: list[str], compose_job) -> str:
