@@ -114,3 +114,13 @@ def test_size_groups_consecutive_members_and_reports_each_ensembles_gain_over_it
     assert res["ensemble_acc"]["ci"] == pytest.approx([np.mean(accs) - half, np.mean(accs) + half])
     assert res["test/acc"] == pytest.approx(np.mean(accs))
     assert len(res["members"]) == 5 and res["member_mean_acc"] == pytest.approx(np.mean([m["acc"] for m in res["members"]]))
+
+
+def test_size_also_scores_the_ensemble_of_every_member_as_a_call_without_size_does(runs):
+    tmp, rec = runs
+    a, b = checkpoint.resolve(rec["best"]["checkpoint"]), tmp / "perturbed.ckpt"
+    grouped, whole = score([a, b, b], "test", size=2), score([a, b, b], "test")  # {a, b} left {b}; all: {a, b, b}
+    assert grouped["all"]["acc"] == pytest.approx(whole["test/acc"], abs=1e-6)
+    assert grouped["all"]["loss"] == pytest.approx(whole["test/loss"], abs=1e-6)
+    assert grouped["all"]["gain"] == pytest.approx(whole["gain"]["mean"], abs=1e-6)
+    assert grouped["all"]["loss"] != pytest.approx(grouped["test/loss"], abs=1e-4)  # {a, b, b} is not {a, b}

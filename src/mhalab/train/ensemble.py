@@ -121,7 +121,8 @@ def score(ckpts: list[Path], split: str = "test", data_dir: str | None = None, b
     """Each member's accuracy; the ensemble of them all, or (size=k) of each k consecutive members (a sweep's
     seeds 0..k-1, k..2k-1, ...; a remainder under k is left out). Per ensemble: acc, f1, loss (the averaged
     probabilities' NLL), the mean accuracy of its members and the gain over it; over the ensembles: the means,
-    with 95% t-intervals (`<split>/acc`, `<split>/f1`, `<split>/loss`: the ensembles' means)."""
+    with 95% t-intervals (`<split>/acc`, `<split>/f1`, `<split>/loss`: the ensembles' means); `all`: the ensemble
+    of every member, from the same probabilities (with size=k, what a second call without size would score)."""
     y, probs = member_probs(ckpts, split, data_dir, batch_size, device)
     accs = [_scores(p, y)["acc"] for p in probs]
     k = size or len(ckpts)
@@ -131,6 +132,7 @@ def score(ckpts: list[Path], split: str = "test", data_dir: str | None = None, b
         e = _scores(torch.stack([probs[i] for i in g]).mean(0), y)  # the average of (N, C): (N, C)
         mean_members = sum(accs[i] for i in g) / len(g)
         ensembles.append({"members": g, **e, "member_mean_acc": mean_members, "gain": e["acc"] - mean_members})
+    everyone = _scores(torch.stack(probs).mean(0), y)  # (M, N, C) -> (N, C)
     return {
         "split": split, "examples": len(y), "size": k,
         "members": [{"checkpoint": str(c), "acc": a} for c, a in zip(ckpts, accs)],
@@ -139,6 +141,7 @@ def score(ckpts: list[Path], split: str = "test", data_dir: str | None = None, b
         "member_acc": _mean_ci(accs), "member_mean_acc": sum(accs) / len(accs),
         "ensemble_acc": _mean_ci([e["acc"] for e in ensembles]),
         "gain": _mean_ci([e["gain"] for e in ensembles]),
+        "all": {**everyone, "member_mean_acc": sum(accs) / len(accs), "gain": everyone["acc"] - sum(accs) / len(accs)},
         **{f"{split}/{m}": float(np.mean([e[m] for e in ensembles])) for m in ("acc", "f1", "loss")},
     }
 
@@ -200,6 +203,9 @@ def command(cfg: DictConfig) -> dict:
     console.print(f"{split} accuracy, mean [95% t-interval]: ensembles {_pct(res['ensemble_acc'])} "
                   f"({len(res['ensembles'])}), single members {_pct(res['member_acc'])} ({len(ckpts)}), gain "
                   f"{_pct(res['gain'], '+')} points" + (f"; members left out: {res['left_out']}" if res["left_out"] else ""))
+    if len(res["ensembles"]) > 1 or res["left_out"]:
+        console.print(f"one ensemble of all {len(ckpts)} members: {split} acc {100 * res['all']['acc']:.1f}, gain "
+                      f"{100 * res['all']['gain']:+.1f} points over their mean")
     for d in skipped:
         Console(stderr=True).print(f"skipped (not finished): {d}")
     if cfg.out:
