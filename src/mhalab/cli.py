@@ -75,11 +75,11 @@ def check_overrides(config_name: str, argv: list[str]) -> None:
             # the sweeper's search space (a key typed on the command line overrides the config's entry for it)
             typed = {o.split("=", 1)[0].lstrip("+~") for o in job}
             searched = OmegaConf.select(cfg, "hydra.sweeper.params")
-            searched = OmegaConf.to_container(searched) if searched else {}
-            for key, value in searched.items():
-                if key.lstrip("+~") not in typed:
-                    add(f"{key}={value}")
-            if searched:
+            untyped = {k: v for k, v in (OmegaConf.to_container(searched) if searched else {}).items()
+                       if k.lstrip("+~") not in typed}
+            for key, value in untyped.items():
+                add(f"{key}={value}")
+            if untyped:
                 compose_job(job)
             for i, option in other_options:
                 compose_job([*job[:i], option, *job[i + 1:]])

@@ -132,16 +132,16 @@ def score(ckpts: list[Path], split: str = "test", data_dir: str | None = None, b
         e = _scores(torch.stack([probs[i] for i in g]).mean(0), y)  # the average of (N, C): (N, C)
         mean_members = sum(accs[i] for i in g) / len(g)
         ensembles.append({"members": g, **e, "member_mean_acc": mean_members, "gain": e["acc"] - mean_members})
-    everyone = _scores(torch.stack(probs).mean(0), y)  # (M, N, C) -> (N, C)
+    everyone, mean_acc = _scores(torch.stack(probs).mean(0), y), sum(accs) / len(accs)  # (M, N, C) -> (N, C)
     return {
         "split": split, "examples": len(y), "size": k,
         "members": [{"checkpoint": str(c), "acc": a} for c, a in zip(ckpts, accs)],
         "left_out": list(range(len(groups) * k, len(ckpts))),
         "ensembles": ensembles,
-        "member_acc": _mean_ci(accs), "member_mean_acc": sum(accs) / len(accs),
+        "member_acc": _mean_ci(accs), "member_mean_acc": mean_acc,
         "ensemble_acc": _mean_ci([e["acc"] for e in ensembles]),
         "gain": _mean_ci([e["gain"] for e in ensembles]),
-        "all": {**everyone, "member_mean_acc": sum(accs) / len(accs), "gain": everyone["acc"] - sum(accs) / len(accs)},
+        "all": {**everyone, "member_mean_acc": mean_acc, "gain": everyone["acc"] - mean_acc},
         **{f"{split}/{m}": float(np.mean([e[m] for e in ensembles])) for m in ("acc", "f1", "loss")},
     }
 
