@@ -1,6 +1,6 @@
 """mhalab: Multi-Head Attention from scratch, and a framework to train and sweep encoders built on it.
 
-    from mhalab import MultiHeadAttention, SequenceClassifier
+    from mhalab import MultiHeadAttention, SequenceClassifier, swap_attention
 
 Importing mhalab loads torch only (no Lightning, Hydra, datasets or matplotlib) and changes no global state.
 """
@@ -11,8 +11,9 @@ from mhalab.nn import (
            ScaledDotProductAttention,
            TransformerEncoder,
            TransformerEncoderLayer,
+           swap_attention,
 )
 
 __version__ = "0.1.0"
 __all__ = ["MultiHeadAttention", "ScaledDotProductAttention", "SequenceClassifier", "TransformerEncoder",
-           "TransformerEncoderLayer"]
+           "TransformerEncoderLayer", "swap_attention"]

@@ -211,7 +211,8 @@ class SequenceClassifier(nn.Module):
             # checkpoint loads whatever the values. PyTorch's encoder has no such switch: ignored there.
             mha = MultiHeadAttention(dim, heads, dropout, **parts, block_min_scores=block_min_scores,
                                      query_block=query_block, head_dim=head_dim)
-            layer = TransformerEncoderLayer(dim, heads, ff_dim, dropout, activation, norm_first, self_attn=mha)
+            layer = TransformerEncoderLayer(dim, heads, ff_dim, dropout, activation, norm_first=norm_first,
+                                            self_attn=mha)
             self.encoder = TransformerEncoder(**stack, layer=layer)
         else:
             self.encoder = OfficialEncoder(**stack)

@@ -143,7 +143,8 @@ def compare_mha(off: nn.MultiheadAttention, ours: MultiHeadAttention, c: dict, e
         average_attn_weights=False,
     )
     k, v = kv if kv else (None, None)
-    out, w = ours(q, k, v, key_padding_mask=c["kpm"], attn_mask=c["mask"], need_weights=explicit)
+    out, w = ours(q, k, v, key_padding_mask=c["kpm"], attn_mask=c["mask"], need_weights=explicit,
+                  average_attn_weights=False)
     out_o.backward(c["grad"])
     out.backward(c["grad"])
     dx = maxdiff(q.grad, q_o.grad)
@@ -220,7 +221,7 @@ def article_causal_check(console: Console) -> float:
     Q, K, V = (torch.randn(B, L, E, generator=gen) for _ in range(3))
     causal = torch.triu(torch.ones(L, L), diagonal=1).bool()
     with torch.no_grad():
-        _, w = ours(Q, K, V, attn_mask=causal)
+        _, w = ours(Q, K, V, attn_mask=causal, average_attn_weights=False)
         _, w_o = off(Q, K, V, attn_mask=causal, average_attn_weights=False)
         q = ours.W_Q(Q).view(B, L, H, E // H).transpose(1, 2)
         k = ours.W_K(K).view(B, L, H, E // H).transpose(1, 2)

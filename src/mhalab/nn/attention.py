@@ -146,24 +146,37 @@ def check_heads(embed_dim: int, num_heads: int, names: tuple[str, str] = ("embed
     return embed_dim // num_heads
 
 
-class MultiHeadAttention(nn.Module):
-    """The article's MHA: project with W_Q/W_K/W_V, split heads, attend, merge, project with W_O.
+class MultiHeadAttention(nn.MultiheadAttention):
+    """The article's MHA: project with W_Q/W_K/W_V, split heads, attend, merge, project with W_O; with the whole
+    contract of nn.MultiheadAttention, so it can stand in for PyTorch's inside any model (see mhalab.nn.swap).
 
-    forward(Q, K=None, V=None, key_padding_mask=None, attn_mask=None, need_weights=True)
-      -> (output (B, L_q, E), weights (B, H, L_q, L_k) or None)
-    Inputs are batch-first. K and V default to Q (self-attention).
-    forward(x, attn_mask=None, need_weights=..., unpad=Unpadding(key_padding_mask)) is self-attention
-    on packed tokens x (N, E) -> ((N, E), weights), as TransformerEncoder runs it (see unpad.Unpadding).
-    `attention` swaps the kernel (see mhalab.model); `rotary` rotates q and k (RoPE);
-    `position_bias` adds a (H, L_q, L_k) bias to the scores (ALiBi, T5).
-    `block_min_scores`, `query_block` go to the default kernel (see ScaledDotProductAttention).
-    `head_dim` (None: embed_dim / num_heads, the article's rule) sets each head's width apart from
-    embed_dim: W_Q, W_K, W_V map E -> H x head_dim and W_O maps back (x-transformers' `dim_head`), so heads
-    and head_dim can vary one at a time. nn.MultiheadAttention cannot express it (to_official refuses).
-    `explicit=True` always attends through the (B, H, L_q, L_k) weights (the need_weights=True path), also
-    when the caller passes need_weights=False, as encoder layers do; the weights are returned only when
-    asked for. It is how the benchmark and the comparison with PyTorch time and test that path inside an
-    encoder; a flag of the instance, not a parameter, so state dicts are the same.
+    Constructor: nn.MultiheadAttention's arguments in its order (embed_dim, num_heads, dropout, bias, add_bias_kv,
+    add_zero_attn, kdim, vdim, batch_first, device, dtype) with their meaning; two defaults are the article's:
+    batch_first=True, and `average_attn_weights=False` (the weights come per head, (B, H, L_q, L_k)), the default
+    of forward's argument of that name. from_official carries PyTorch's (the module's batch_first, averaging on).
+    W_K takes kdim inputs and W_V vdim inputs. Then ours only, keyword-only:
+    `attention` swaps the kernel (see mhalab.model); `rotary` rotates q and k (RoPE); `position_bias` adds a
+    (H, L_q, L_k) bias to the scores (ALiBi, T5); `block_min_scores`, `query_block` go to the default kernel
+    (see ScaledDotProductAttention); `head_dim` (None: embed_dim / num_heads, the article's rule) sets each head's
+    width apart from embed_dim: W_Q, W_K, W_V map to H x head_dim and W_O maps back (x-transformers' `dim_head`).
+    `explicit=True` always attends through the (B, H, L_q, L_k) weights (the need_weights=True path), also when
+    the caller passes need_weights=False, as encoder layers do; a flag of the instance, not a parameter.
+
+    forward(query, key=None, value=None, key_padding_mask=None, need_weights=True, attn_mask=None,
+            average_attn_weights=None, is_causal=False) -> (output, weights or None), as nn.MultiheadAttention:
+    query (B, L_q, E), or (L_q, B, E) with batch_first=False, or unbatched (L_q, E); key and value default to
+    query (self-attention). key_padding_mask (B, L_k) and attn_mask ((L_q, L_k) or (B x H, L_q, L_k); ours also
+    takes (B, L_q, L_k) and (B or 1, H or 1, L_q, L_k)), bool (True = blocked) or float (added). Weights are
+    always batch-first: (B, H, L_q, L_k), or their mean over heads (B, L_q, L_k). is_causal=True without an
+    attn_mask applies the causal mask (PyTorch asks for the mask and takes is_causal as a hint about it).
+    Where ours differs: a query whose keys are all blocked gets output 0 and zero gradients (PyTorch: NaN).
+    forward(x, attn_mask=None, need_weights=..., unpad=Unpadding(key_padding_mask)) is self-attention on packed
+    tokens x (N, E) -> ((N, E), weights), as TransformerEncoder runs it (see unpad.Unpadding).
+
+    nn.MultiheadAttention's attribute names are views of ours (in_proj_weight = [W_Q; W_K; W_V], out_proj = W_O,
+    q_proj_weight, ...): code that reads them, as nn.TransformerEncoderLayer's fused inference path does, gets
+    these weights. The parameters are W_Q, W_K, W_V, W_O (and bias_k, bias_v), so state dicts keep the article's
+    names; it is an nn.MultiheadAttention only by type and attributes (nn.MultiheadAttention.__init__ is not run).
     """
 
     def __init__(
@@ -172,6 +185,15 @@ class MultiHeadAttention(nn.Module):
         num_heads: int,
         dropout: float = 0.0,
         bias: bool = True,
+        add_bias_kv: bool = False,
+        add_zero_attn: bool = False,
+        kdim: int | None = None,
+        vdim: int | None = None,
+        batch_first: bool = True,
+        device=None,
+        dtype=None,
+        *,
+        average_attn_weights: bool = False,
         attention: nn.Module | None = None,
         rotary: nn.Module | None = None,
         position_bias: nn.Module | None = None,
@@ -180,35 +202,138 @@ class MultiHeadAttention(nn.Module):
         explicit: bool = False,
         head_dim: int | None = None,
     ):
-        super().__init__()
+        nn.Module.__init__(self)  # ours holds W_Q ... W_O; nn.MultiheadAttention's names are views (below)
+        for name, flag in (("bias", bias), ("add_bias_kv", add_bias_kv), ("add_zero_attn", add_zero_attn),
+                           ("batch_first", batch_first), ("average_attn_weights", average_attn_weights)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name}={flag!r} must be True or False (nn.MultiheadAttention's order: embed_dim, "
+                                 f"num_heads, dropout, bias, add_bias_kv, add_zero_attn, kdim, vdim, batch_first).")
         self.embed_dim = embed_dim
         self.num_heads = num_heads
         self.head_dim = check_heads(embed_dim, num_heads, head_dim=head_dim)  # None: embed_dim / num_heads
         self.inner_dim = num_heads * self.head_dim  # = embed_dim unless head_dim is given
-        self.W_Q = nn.Linear(embed_dim, self.inner_dim, bias=bias)
-        self.W_K = nn.Linear(embed_dim, self.inner_dim, bias=bias)
-        self.W_V = nn.Linear(embed_dim, self.inner_dim, bias=bias)
-        self.W_O = nn.Linear(self.inner_dim, embed_dim, bias=bias)
+        self.kdim = embed_dim if kdim is None else kdim
+        self.vdim = embed_dim if vdim is None else vdim
+        self.batch_first = batch_first
+        self.average_attn_weights = average_attn_weights
+        self.add_zero_attn = add_zero_attn
+        f = {"device": device, "dtype": dtype}
+        self.W_Q = nn.Linear(embed_dim, self.inner_dim, bias=bias, **f)
+        self.W_K = nn.Linear(self.kdim, self.inner_dim, bias=bias, **f)
+        self.W_V = nn.Linear(self.vdim, self.inner_dim, bias=bias, **f)
+        self.W_O = nn.Linear(self.inner_dim, embed_dim, bias=bias, **f)
+        # add_bias_kv: one learned key and value appended to every sequence's keys (PyTorch's bias_k, bias_v)
+        self.bias_k = nn.Parameter(torch.empty(1, 1, self.inner_dim, **f)) if add_bias_kv else None
+        self.bias_v = nn.Parameter(torch.empty(1, 1, self.inner_dim, **f)) if add_bias_kv else None
         self.attention = (attention if attention is not None
                           else ScaledDotProductAttention(dropout, block_min_scores, query_block))
         self.rotary = rotary
         self.position_bias = position_bias
         self.explicit = explicit
+        self._check_extras()
         self._reset_parameters()
 
     def _reset_parameters(self) -> None:
-        # Same init as nn.MultiheadAttention: xavier on the stacked (3E, E) in-projection, zero biases
-        # ((3 x heads x head_dim, E) when head_dim is given; W_O keeps nn.Linear's init, as PyTorch's out_proj).
-        w = torch.empty(3 * self.inner_dim, self.embed_dim)
-        nn.init.xavier_uniform_(w)
-        for lin, chunk in zip((self.W_Q, self.W_K, self.W_V), w.chunk(3)):
-            with torch.no_grad():
-                lin.weight.copy_(chunk)
-            if lin.bias is not None:
-                nn.init.zeros_(lin.bias)
-        if self.W_O.bias is not None:
-            nn.init.zeros_(self.W_O.bias)
+        # nn.MultiheadAttention's init: xavier on the stacked (3E, E) in-projection (each of W_Q, W_K, W_V on its
+        # own when kdim / vdim differ), zero biases, xavier-normal bias_k / bias_v; W_O keeps nn.Linear's weight
+        # init, as PyTorch's out_proj. (With head_dim given, the stack is (3 x heads x head_dim, E).)
+        lins = (self.W_Q, self.W_K, self.W_V)
+        with torch.no_grad():
+            if self.kdim == self.vdim == self.embed_dim:
+                w = torch.empty(3 * self.inner_dim, self.embed_dim)
+                nn.init.xavier_uniform_(w)
+                for lin, chunk in zip(lins, w.chunk(3)):
+                    lin.weight.copy_(chunk)
+            else:
+                for lin in lins:
+                    nn.init.xavier_uniform_(lin.weight)
+            for lin in (*lins, self.W_O):
+                if lin.bias is not None:
+                    nn.init.zeros_(lin.bias)
+            for b in (self.bias_k, self.bias_v):
+                if b is not None:
+                    nn.init.xavier_normal_(b)
 
+    __setstate__ = nn.Module.__setstate__  # not nn.MultiheadAttention's (it adds a _qkv_same_embed_dim entry)
+
+    # ---- nn.MultiheadAttention's attributes, as views of ours ----
+    @property
+    def dropout(self) -> float:
+        """The attention-weight dropout probability (nn.MultiheadAttention's float `dropout`): the kernel's."""
+        drop = getattr(self.attention, "dropout", None)
+        return drop.p if isinstance(drop, nn.Dropout) else 0.0
+
+    @dropout.setter
+    def dropout(self, p: float) -> None:
+        drop = getattr(self.attention, "dropout", None)
+        if isinstance(drop, nn.Dropout):
+            drop.p = p
+        elif p:
+            raise ValueError(f"dropout={p}: the {type(self.attention).__name__} kernel has no attention dropout.")
+
+    @property
+    def _qkv_same_embed_dim(self) -> bool:
+        """True when nn.MultiheadAttention's packed weights (in_proj_weight, in_proj_bias, out_proj) describe this
+        module completely: kdim = vdim = embed_dim and nothing but PyTorch's attention (no bias_kv or zero_attn,
+        variant or other head width). PyTorch's fused paths (nn.TransformerEncoderLayer in inference) read it
+        before they compute from in_proj_weight alone; for anything else they call forward."""
+        return (self.kdim == self.vdim == self.embed_dim and self.bias_k is None and not self.add_zero_attn
+                and self.not_official() is None)
+
+    @property
+    def in_proj_weight(self) -> Tensor | None:
+        """(3E, E) = [W_Q; W_K; W_V] when _qkv_same_embed_dim, else None (then q/k/v_proj_weight hold them)."""
+        if not self._qkv_same_embed_dim:
+            return None
+        return torch.cat([self.W_Q.weight, self.W_K.weight, self.W_V.weight])
+
+    @property
+    def in_proj_bias(self) -> Tensor | None:
+        return None if self.W_Q.bias is None else torch.cat([self.W_Q.bias, self.W_K.bias, self.W_V.bias])
+
+    @property
+    def q_proj_weight(self) -> Tensor | None:
+        return None if self._qkv_same_embed_dim else self.W_Q.weight
+
+    @property
+    def k_proj_weight(self) -> Tensor | None:
+        return None if self._qkv_same_embed_dim else self.W_K.weight
+
+    @property
+    def v_proj_weight(self) -> Tensor | None:
+        return None if self._qkv_same_embed_dim else self.W_V.weight
+
+    @property
+    def out_proj(self) -> nn.Linear:
+        return self.W_O
+
+    def _variant(self) -> str | None:
+        """The part of ours that is not softmax attention on the projections (a phrase), or None."""
+        if not isinstance(self.attention, ScaledDotProductAttention):
+            return f"the {type(self.attention).__name__} kernel"
+        if self.rotary is not None:
+            return "rotary position embeddings (RoPE)"
+        if self.position_bias is not None:
+            return f"a position bias ({type(self.position_bias).__name__})"
+        return None
+
+    def not_official(self) -> str | None:
+        """What nn.MultiheadAttention cannot express in this module (a phrase), or None: the one rule behind
+        to_official's refusal and _qkv_same_embed_dim."""
+        if self.inner_dim != self.embed_dim:
+            return (f"num_heads={self.num_heads} x head_dim={self.head_dim} = {self.inner_dim} != "
+                    f"embed_dim={self.embed_dim} (it splits embed_dim among its heads)")
+        return self._variant()
+
+    def _check_extras(self) -> None:
+        """add_bias_kv / add_zero_attn append keys with no position: only the plain softmax kernel takes them."""
+        variant = self._variant()
+        if variant is not None and (self.bias_k is not None or self.add_zero_attn):
+            what = "add_bias_kv" if self.bias_k is not None else "add_zero_attn"
+            raise ValueError(f"{what}=True appends a key with no position, which {variant} cannot place; use "
+                             f"{what} with the default kernel and no rotary or position bias.")
+
+    # ---- forward ----
     def _in_proj(self, x: Tensor) -> Tensor:
         """Self-attention's three projections as one (E -> 3E) matmul: (..., E) -> (..., 3E) = [q | k | v].
 
@@ -228,52 +353,96 @@ class MultiHeadAttention(nn.Module):
 
     def forward(
         self,
-        Q: Tensor,
-        K: Tensor | None = None,
-        V: Tensor | None = None,
+        query: Tensor,
+        key: Tensor | None = None,
+        value: Tensor | None = None,
         key_padding_mask: Tensor | None = None,
-        attn_mask: Tensor | None = None,
         need_weights: bool = True,
+        attn_mask: Tensor | None = None,
+        average_attn_weights: bool | None = None,
+        is_causal: bool = False,
+        *,
         unpad: Unpadding | None = None,
     ) -> tuple[Tensor, Tensor | None]:
-        if unpad is not None:  # packed self-attention, Q: (N, E) real tokens (see _forward_packed)
-            if K is not None or V is not None or key_padding_mask is not None:
+        if isinstance(need_weights, Tensor):
+            raise TypeError("need_weights got a tensor: the 5th argument is need_weights, as in "
+                             "nn.MultiheadAttention (query, key, value, key_padding_mask, need_weights, attn_mask); "
+                             "pass attn_mask=... by keyword.")
+        average = self.average_attn_weights if average_attn_weights is None else average_attn_weights
+        if unpad is not None:  # packed self-attention, query: (N, E) real tokens (see _forward_packed)
+            if key is not None or value is not None or key_padding_mask is not None:
                 raise ValueError(
-                    "with unpad=..., Q holds the packed tokens of a self-attention: pass no K, V or "
+                    "with unpad=..., query holds the packed tokens of a self-attention: pass no key, value or "
                     "key_padding_mask (the mask is the one unpad was built from)."
                 )
-            return self._forward_packed(Q, unpad, attn_mask, need_weights)
-        K = Q if K is None else K
-        V = K if V is None else V
-        for name, t in (("Q", Q), ("K", K), ("V", V)):
-            if t.dim() != 3 or t.size(-1) != self.embed_dim:
-                raise ValueError(
-                    f"{name} has shape {tuple(t.shape)}; expected (batch, seq_len, embed_dim={self.embed_dim}) "
-                    f"(inputs are batch-first)."
-                )
-        B = Q.size(0)
-        if K.size(0) != B or V.shape[:2] != K.shape[:2]:
-            raise ValueError(
-                f"batch/length mismatch: Q {tuple(Q.shape)}, K {tuple(K.shape)}, V {tuple(V.shape)}; "
-                f"K and V need the same (batch, L_k), and batch must equal Q's."
-            )
+            out, weights = self._forward_packed(query, unpad, attn_mask, need_weights, is_causal)
+            return out, _average(weights, average)
+        if query.is_nested:  # from nn.TransformerEncoder's inference path ("nested tensors")
+            return self._forward_nested(query, key, value, attn_mask, need_weights, average, is_causal)
+        key = query if key is None else key
+        value = key if value is None else value
+        batched = query.dim() == 3
+        if not batched:  # unbatched (L, E): a batch of one
+            query, key, value = self._check_unbatched(query, key, value, key_padding_mask)
+            key_padding_mask = None if key_padding_mask is None else key_padding_mask.unsqueeze(0)
+        elif not self.batch_first:  # (L, B, E) -> (B, L, E), views; q, k, v keep their identity for _project
+            query, key, value = _batch_first(query, key, value)
+        self._check_inputs(query, key, value)
 
-        q, k, v = self._project(Q, K, V)  # (B, L, E) each
-        out, weights = self._attend(q, k, v, key_padding_mask, attn_mask, need_weights)  # (B, L_q, E)
-        return self.W_O(out), weights
+        q, k, v = self._project(query, key, value)  # (B, L_q, H*d), (B, L_k, H*d) x 2
+        out, weights = self._attend(q, k, v, key_padding_mask, attn_mask, need_weights, is_causal)  # (B, L_q, H*d)
+        # W_O in the memory layout nn.MultiheadAttention computes in, sequence-first: (L_q, B, E) contiguous, seen
+        # as (B, L_q, E) when batch_first. The numbers are the same either way; the layout makes a dropout after
+        # this module (nn's layers' dropout1) draw the same mask for the same element as after PyTorch's.
+        out, weights = self.W_O(out.transpose(0, 1)), _average(weights, average)  # (L_q, B, E)
+        if not batched:
+            return out.squeeze(1), None if weights is None else weights.squeeze(0)
+        return (out.transpose(0, 1) if self.batch_first else out), weights
+
+    def _check_unbatched(self, query: Tensor, key: Tensor, value: Tensor, kpm: Tensor | None):
+        if query.dim() != 2 or key.dim() != 2 or value.dim() != 2:
+            raise ValueError(
+                f"query {tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)}: expected all "
+                f"batched (3-D, {'batch-first' if self.batch_first else 'sequence-first'}) or all unbatched "
+                f"(L, features)."
+            )
+        if kpm is not None and kpm.dim() != 1:
+            raise ValueError(f"key_padding_mask has shape {tuple(kpm.shape)}; unbatched inputs take an (L_k,) mask.")
+        return query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
+
+    def _check_inputs(self, query: Tensor, key: Tensor, value: Tensor) -> None:
+        """query (B, L_q, embed_dim), key (B, L_k, kdim), value (B, L_k, vdim), as laid out batch-first here."""
+        layout = "batch, seq_len" if self.batch_first else "seq_len, batch"
+        for name, t, width in (("query", query, self.embed_dim), ("key", key, self.kdim), ("value", value, self.vdim)):
+            if t.dim() != 3 or t.size(-1) != width:
+                dim = {"query": "embed_dim", "key": "kdim", "value": "vdim"}[name]
+                raise ValueError(f"{name} has shape {tuple(t.shape)}; expected ({layout}, {dim}={width}) "
+                                 f"(batch_first={self.batch_first}) or unbatched (seq_len, {dim}).")
+        if key.size(0) != query.size(0) or value.shape[:2] != key.shape[:2]:
+            raise ValueError(
+                f"batch/length mismatch: query {tuple(query.shape)}, key {tuple(key.shape)}, value "
+                f"{tuple(value.shape)} (as batch-first); key and value need the same (batch, L_k), and batch "
+                f"must equal query's."
+            )
 
     def _attend(
         self, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None, attn_mask: Tensor | None,
-        need_weights: bool,
+        need_weights: bool, is_causal: bool = False,
     ) -> tuple[Tensor, Tensor | None]:
         """Projected q (B, L_q, H*d), k and v (B, L_k, H*d) -> heads -> attention -> merged (B, L_q, H*d)
-        (H*d = E unless head_dim is given)."""
+        (H*d = E unless head_dim is given), and the weights (B, H, L_q, L_k') or None (L_k' counts the keys
+        add_bias_kv and add_zero_attn append)."""
         B, L_q, _ = q.shape
+        if is_causal and attn_mask is None:
+            attn_mask = causal_mask(L_q, k.size(1), q.device)
+        if self.bias_k is not None or self.add_zero_attn:
+            self._check_extras()  # a variant may have been plugged in since construction
+            k, v, attn_mask, key_padding_mask = self._append_keys(k, v, attn_mask, key_padding_mask)
         L_k = k.size(1)
         # split heads: (B, L, H*d) -> (B, L, H, d) -> (B, H, L, d)
-        q = q.view(B, L_q, self.num_heads, self.head_dim).transpose(1, 2)
-        k = k.view(B, L_k, self.num_heads, self.head_dim).transpose(1, 2)
-        v = v.view(B, L_k, self.num_heads, self.head_dim).transpose(1, 2)
+        q = q.unflatten(-1, (self.num_heads, self.head_dim)).transpose(1, 2)
+        k = k.unflatten(-1, (self.num_heads, self.head_dim)).transpose(1, 2)
+        v = v.unflatten(-1, (self.num_heads, self.head_dim)).transpose(1, 2)
         if self.rotary is not None:
             q, k = self.rotary(q, k)
 
@@ -289,8 +458,28 @@ class MultiHeadAttention(nn.Module):
         # is a view of a (B, L, ...) projection, as here)
         return out.transpose(1, 2).reshape(B, L_q, self.inner_dim), weights
 
+    def _append_keys(self, k: Tensor, v: Tensor, attn_mask: Tensor | None, kpm: Tensor | None):
+        """PyTorch's extras, in its order: add_bias_kv appends (bias_k, bias_v), then add_zero_attn a zero key and
+        value; each extra key is visible to every query (the masks get a 0 / False column).
+        k, v: (B, L_k, H*d) -> (B, L_k + extras, H*d)."""
+        B = k.size(0)
+        extra_k, extra_v = [], []
+        if self.bias_k is not None:
+            extra_k.append(self.bias_k.expand(B, 1, -1))
+            extra_v.append(self.bias_v.expand(B, 1, -1))
+        if self.add_zero_attn:  # a zero vector after projection: zero in every head
+            extra_k.append(k.new_zeros(B, 1, k.size(-1)))
+            extra_v.append(v.new_zeros(B, 1, v.size(-1)))
+        n = len(extra_k)
+        k, v = torch.cat([k, *extra_k], dim=1), torch.cat([v, *extra_v], dim=1)
+
+        def visible(m: Tensor | None) -> Tensor | None:  # (..., L_k) -> (..., L_k + n)
+            return None if m is None else torch.cat([m, m.new_zeros(*m.shape[:-1], n)], dim=-1)
+
+        return k, v, visible(attn_mask), visible(kpm)
+
     def _forward_packed(
-        self, x: Tensor, unpad: Unpadding, attn_mask: Tensor | None, need_weights: bool
+        self, x: Tensor, unpad: Unpadding, attn_mask: Tensor | None, need_weights: bool, is_causal: bool = False,
     ) -> tuple[Tensor, Tensor | None]:
         """Self-attention on packed tokens: x (N, E), the real tokens of a padded batch (see Unpadding).
 
@@ -310,6 +499,8 @@ class MultiHeadAttention(nn.Module):
                 f"x has shape {tuple(x.shape)}; expected packed tokens (N={unpad.num_tokens}, "
                 f"embed_dim={self.embed_dim})."
             )
+        if is_causal and attn_mask is None:
+            attn_mask = causal_mask(unpad.seq_len, unpad.seq_len, x.device)
         qkv = self._in_proj(x)  # (N, 3E)
         if not need_weights and varlen_applies(self, attn_mask) and unpad.seqlens is not None:
             # attention on the real tokens too, each sequence on its own (nn.varlen): no (B, L) layout at all
@@ -320,46 +511,113 @@ class MultiHeadAttention(nn.Module):
         out, weights = self._attend(q, k, v, unpad.key_padding_mask, attn_mask, need_weights)  # (B, L, E)
         return self.W_O(unpad.pack(out)), weights  # (N, E)
 
-    # ---- converters to and from nn.MultiheadAttention (batch_first) ----
+    def _forward_nested(self, query: Tensor, key, value, attn_mask, need_weights, average, is_causal):
+        """Self-attention on a nested tensor (B sequences of their own lengths, batch-first), as
+        nn.TransformerEncoder passes in inference when PyTorch's fused layer declines (a variant of ours):
+        padded with a key-padding mask, attended, and nested again."""
+        if key is not None and key is not query or value is not None and value is not query:
+            raise ValueError("a nested-tensor query is taken for self-attention only (key and value the same).")
+        lengths = [t.size(0) for t in query.unbind()]
+        x = query.to_padded_tensor(0.0)  # (B, L, E), zeros at the pads
+        pad = torch.arange(x.size(1), device=x.device) >= torch.tensor(lengths, device=x.device)[:, None]  # (B, L)
+        q, k, v = self._project(x, x, x)
+        out, weights = self._attend(q, k, v, pad, attn_mask, need_weights, is_causal)
+        out = self.W_O(out)  # (B, L, E)
+        return torch.nested.as_nested_tensor([o[:n] for o, n in zip(out, lengths)]), _average(weights, average)
+
+    # ---- converters to and from nn.MultiheadAttention ----
     @classmethod
-    def from_official(cls, mha: nn.MultiheadAttention, explicit: bool = False) -> MultiHeadAttention:
-        if not mha._qkv_same_embed_dim or mha.bias_k is not None or mha.add_zero_attn:
-            raise ValueError(
-                "from_official supports nn.MultiheadAttention with kdim = vdim = embed_dim, "
-                "add_bias_kv=False and add_zero_attn=False."
-            )
-        has_bias = mha.in_proj_bias is not None
-        ours = cls(mha.embed_dim, mha.num_heads, dropout=mha.dropout, bias=has_bias, explicit=explicit)
-        ours = ours.to(device=mha.in_proj_weight.device, dtype=mha.in_proj_weight.dtype)
-        with torch.no_grad():
-            for lin, w in zip((ours.W_Q, ours.W_K, ours.W_V), mha.in_proj_weight.chunk(3)):
-                lin.weight.copy_(w)
-            ours.W_O.weight.copy_(mha.out_proj.weight)
-            if has_bias:
-                for lin, b in zip((ours.W_Q, ours.W_K, ours.W_V), mha.in_proj_bias.chunk(3)):
-                    lin.bias.copy_(b)
-                ours.W_O.bias.copy_(mha.out_proj.bias)
-        return ours
+    def from_official(cls, mha: nn.MultiheadAttention, explicit: bool = False, **parts) -> MultiHeadAttention:
+        """Ours with `mha`'s weights and behaviour: every configuration (kdim / vdim, add_bias_kv, add_zero_attn,
+        bias, batch_first, dtype, device, train / eval, which parameters require grad), and PyTorch's default of
+        averaging the weights over heads. `parts` (attention, rotary, position_bias) plug a variant in, which
+        makes it another function (to_official then refuses)."""
+        w = mha.in_proj_weight if mha._qkv_same_embed_dim else mha.q_proj_weight
+        ours = cls(
+            mha.embed_dim, mha.num_heads, dropout=mha.dropout, bias=mha.in_proj_bias is not None,
+            add_bias_kv=mha.bias_k is not None, add_zero_attn=bool(mha.add_zero_attn), kdim=mha.kdim,
+            vdim=mha.vdim, batch_first=bool(mha.batch_first), device=w.device, dtype=w.dtype,
+            average_attn_weights=True, explicit=explicit, **parts,
+        )
+        _copy_projections(ours, mha)
+        return ours.train(mha.training)
 
     def to_official(self) -> nn.MultiheadAttention:
-        if not isinstance(self.attention, ScaledDotProductAttention) or self.rotary or self.position_bias:
-            raise ValueError("to_official needs plain softmax attention without rotary or position bias.")
-        if self.inner_dim != self.embed_dim:
-            raise ValueError(
-                f"to_official: nn.MultiheadAttention splits embed_dim={self.embed_dim} among its heads, so it cannot "
-                f"express num_heads={self.num_heads} x head_dim={self.head_dim} = {self.inner_dim}; only "
-                f"head_dim = embed_dim / num_heads (head_dim=None) converts."
-            )
-        has_bias = self.W_Q.bias is not None
+        """nn.MultiheadAttention with these weights, configuration, train / eval mode and requires_grad. Refused, in
+        one line, for what it cannot express (not_official). nn.MultiheadAttention has no default for
+        average_attn_weights: it averages unless told not to, whatever this module's default."""
+        why = self.not_official()
+        if why is not None:
+            raise ValueError(f"to_official: nn.MultiheadAttention cannot express {why}; keep ours, or build it "
+                             f"with the default kernel, no rotary / position_bias and head_dim=None.")
         w = self.W_Q.weight
         mha = nn.MultiheadAttention(
-            self.embed_dim, self.num_heads, dropout=self.attention.dropout.p, bias=has_bias,
-            batch_first=True, device=w.device, dtype=w.dtype,
+            self.embed_dim, self.num_heads, dropout=self.dropout, bias=self.W_Q.bias is not None,
+            add_bias_kv=self.bias_k is not None, add_zero_attn=self.add_zero_attn, kdim=self.kdim, vdim=self.vdim,
+            batch_first=self.batch_first, device=w.device, dtype=w.dtype,
         )
-        with torch.no_grad():
-            mha.in_proj_weight.copy_(torch.cat([self.W_Q.weight, self.W_K.weight, self.W_V.weight]))
-            mha.out_proj.weight.copy_(self.W_O.weight)
-            if has_bias:
-                mha.in_proj_bias.copy_(torch.cat([self.W_Q.bias, self.W_K.bias, self.W_V.bias]))
-                mha.out_proj.bias.copy_(self.W_O.bias)
-        return mha
+        _copy_projections(mha, self)
+        return mha.train(self.training)
+
+
+def _copy_projections(dst: nn.MultiheadAttention, src: nn.MultiheadAttention) -> None:
+    """Copy every projection weight and bias, bias_k and bias_v, through nn.MultiheadAttention's names (views of
+    W_Q ... W_O on ours), with their requires_grad. Works either way: ours <- PyTorch's, PyTorch's <- ours."""
+    def pairs(m: nn.MultiheadAttention):
+        if isinstance(m, MultiHeadAttention):  # the parameters themselves, not the concatenated views
+            lins = (m.W_Q, m.W_K, m.W_V)
+            yield from zip(("q", "k", "v"), (lin.weight for lin in lins), (lin.bias for lin in lins))
+        else:
+            ws = (m.in_proj_weight.chunk(3) if m._qkv_same_embed_dim
+                  else (m.q_proj_weight, m.k_proj_weight, m.v_proj_weight))
+            bs = m.in_proj_bias.chunk(3) if m.in_proj_bias is not None else (None,) * 3
+            yield from zip(("q", "k", "v"), ws, bs)
+        yield "out", m.out_proj.weight, m.out_proj.bias
+        yield "bias_kv", m.bias_k, m.bias_v
+
+    with torch.no_grad():
+        for (_, dw, db), (_, sw, sb) in zip(pairs(dst), pairs(src)):
+            for d, s in ((dw, sw), (db, sb)):
+                if d is not None:
+                    d.copy_(s)
+    # requires_grad: PyTorch's module has one flag per packed tensor; ours one per Linear
+    for d_param, s_param in _grad_pairs(dst, src):
+        d_param.requires_grad_(s_param.requires_grad)
+
+
+def _grad_pairs(dst: nn.MultiheadAttention, src: nn.MultiheadAttention):
+    """(parameter of dst, parameter of src whose requires_grad it takes)."""
+    ours, theirs = (dst, src) if isinstance(dst, MultiHeadAttention) else (src, dst)
+    packed = theirs._qkv_same_embed_dim
+    pairs = []
+    for lin, name in ((ours.W_Q, "q"), (ours.W_K, "k"), (ours.W_V, "v")):
+        pairs.append((lin.weight, theirs.in_proj_weight if packed else getattr(theirs, f"{name}_proj_weight")))
+        if lin.bias is not None:
+            pairs.append((lin.bias, theirs.in_proj_bias))
+    pairs += [(ours.W_O.weight, theirs.out_proj.weight)]
+    if ours.W_O.bias is not None:
+        pairs.append((ours.W_O.bias, theirs.out_proj.bias))
+    if ours.bias_k is not None:
+        pairs += [(ours.bias_k, theirs.bias_k), (ours.bias_v, theirs.bias_v)]
+    if dst is ours:
+        return pairs
+    return [(t, o) for o, t in pairs]
+
+
+def causal_mask(L_q: int, L_k: int, device=None) -> Tensor:
+    """(L_q, L_k) bool, True above the diagonal: query i sees keys 0..i (nn.Transformer's square subsequent mask,
+    top-left aligned when L_q != L_k, as F.scaled_dot_product_attention's is_causal)."""
+    return torch.ones(L_q, L_k, dtype=torch.bool, device=device).triu(1)
+
+
+def _batch_first(query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(L, B, E) -> (B, L, E) views, keeping `key is query` / `value is key` (self-attention's one projection)."""
+    q = query.transpose(0, 1)
+    k = q if key is query else key.transpose(0, 1)
+    v = k if value is key else (q if value is query else value.transpose(0, 1))
+    return q, k, v
+
+
+def _average(weights: Tensor | None, average: bool) -> Tensor | None:
+    """(B, H, L_q, L_k) -> their mean over heads (B, L_q, L_k) when asked, as nn.MultiheadAttention's default."""
+    return weights.mean(dim=1) if weights is not None and average else weights

@@ -3,27 +3,53 @@
 The article's layer applied dropout twice to each sub-layer output (inside `ffn` and again on the
 residual, and after W_O inside its MHA and again on the residual). Here each sub-layer output is
 dropped once, exactly where nn.TransformerEncoderLayer drops it, so the two are numerically equal.
+The layer and the stack take nn.TransformerEncoderLayer's / nn.TransformerEncoder's arguments with their meaning;
+the defaults that differ are the article's: activation gelu, batch_first=True.
 """
 
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from mhalab.nn.attention import MultiHeadAttention, check_heads
+from mhalab.nn.attention import MultiHeadAttention, causal_mask, check_heads
 from mhalab.nn.unpad import Unpadding
 
 ACTIVATIONS = {"relu": nn.ReLU, "gelu": nn.GELU}
 _INPLACE = {nn.ReLU: torch.relu_, nn.GELU: torch.ops.aten.gelu_}  # for TransformerEncoderLayer._ff
+_NAMED = {F.relu: "relu", F.gelu: "gelu"}  # the functions nn.TransformerEncoderLayer stores for the names
 
 
-def _activation(name: str) -> nn.Module:
-    if name not in ACTIVATIONS:
-        raise ValueError(f"activation '{name}' is not supported; choose one of {sorted(ACTIVATIONS)}.")
-    return ACTIVATIONS[name]()
+class Activation(nn.Module):
+    """A unary callable (F.silu, torch.tanh, a lambda) as the feed-forward's activation module."""
+
+    def __init__(self, fn: Callable[[Tensor], Tensor]):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fn(x)
+
+    def extra_repr(self) -> str:
+        return getattr(self.fn, "__name__", repr(self.fn))
+
+
+def _activation(act: str | Callable[[Tensor], Tensor]) -> nn.Module:
+    """A name (relu, gelu), an nn.Module or a unary callable, as nn.TransformerEncoderLayer takes it -> a module."""
+    act = _NAMED.get(act, act) if not isinstance(act, str) else act
+    if isinstance(act, str):
+        if act not in ACTIVATIONS:
+            raise ValueError(f"activation '{act}' is not supported; choose one of {sorted(ACTIVATIONS)}.")
+        return ACTIVATIONS[act]()
+    if isinstance(act, nn.Module):
+        return act
+    if callable(act):
+        return Activation(act)
+    raise ValueError(f"activation={act!r} must be 'relu', 'gelu' or a unary callable.")
 
 
 def reset_parameters(module: nn.Module) -> None:
@@ -41,39 +67,80 @@ def reset_parameters(module: nn.Module) -> None:
             reset()
 
 
+def _check_flags(**flags) -> None:
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"{name}={value!r} must be True or False (nn.TransformerEncoderLayer's order: d_model, "
+                             f"nhead, dim_feedforward, dropout, activation, layer_norm_eps, batch_first, norm_first, "
+                             f"bias).")
+
+
 class TransformerEncoderLayer(nn.Module):
     """Post-norm (the article, and Vaswani et al.) or pre-norm (`norm_first=True`) encoder layer.
 
     post-norm: x = norm1(x + drop(attn(x)));  x = norm2(x + drop(ffn(x)))
     pre-norm:  x = x + drop(attn(norm1(x)));  x = x + drop(ffn(norm2(x)))
+
+    Arguments in nn.TransformerEncoderLayer's order and meaning (embed_dim, num_heads, ff_dim are its d_model,
+    nhead, dim_feedforward): activation a name or a unary callable, bias=False drops every Linear's and
+    LayerNorm's bias, batch_first=False takes (L, B, E). `self_attn` (keyword) puts a given attention in.
     """
 
     def __init__(
         self,
         embed_dim: int,
         num_heads: int,
-        ff_dim: int,
+        ff_dim: int = 2048,
         dropout: float = 0.1,
-        activation: str = "gelu",
-        norm_first: bool = False,
+        activation: str | Callable[[Tensor], Tensor] = "gelu",
         layer_norm_eps: float = 1e-5,
+        batch_first: bool = True,
+        norm_first: bool = False,
+        bias: bool = True,
+        device=None,
+        dtype=None,
+        *,
         self_attn: MultiHeadAttention | None = None,
     ):
         super().__init__()
-        self.self_attn = self_attn if self_attn is not None else MultiHeadAttention(embed_dim, num_heads, dropout)
+        _check_flags(batch_first=batch_first, norm_first=norm_first, bias=bias)
+        if isinstance(layer_norm_eps, bool) or not isinstance(layer_norm_eps, (int, float)) or layer_norm_eps <= 0:
+            raise ValueError(f"layer_norm_eps={layer_norm_eps!r} must be a number > 0 (the 6th argument, as in "
+                             f"nn.TransformerEncoderLayer; pass norm_first=... by keyword).")
+        f = {"device": device, "dtype": dtype}
+        if self_attn is None:
+            self_attn = MultiHeadAttention(embed_dim, num_heads, dropout, bias=bias, batch_first=batch_first, **f)
+        elif self_attn.batch_first != batch_first:
+            raise ValueError(f"self_attn.batch_first={self_attn.batch_first} but batch_first={batch_first}: the "
+                             f"layer passes its input to self_attn as it comes; build them with the same layout.")
+        self.self_attn = self_attn
         # ffn: Linear -> act -> Dropout -> Linear; its output is dropped once, by dropout2
         self.ffn = nn.Sequential(
-            nn.Linear(embed_dim, ff_dim), _activation(activation), nn.Dropout(dropout), nn.Linear(ff_dim, embed_dim)
+            nn.Linear(embed_dim, ff_dim, bias=bias, **f), _activation(activation), nn.Dropout(dropout),
+            nn.Linear(ff_dim, embed_dim, bias=bias, **f),
         )
-        self.norm1 = nn.LayerNorm(embed_dim, eps=layer_norm_eps)
-        self.norm2 = nn.LayerNorm(embed_dim, eps=layer_norm_eps)
+        self.norm1 = nn.LayerNorm(embed_dim, eps=layer_norm_eps, bias=bias, **f)
+        self.norm2 = nn.LayerNorm(embed_dim, eps=layer_norm_eps, bias=bias, **f)
         self.dropout1 = nn.Dropout(dropout)
         self.dropout2 = nn.Dropout(dropout)
-        self.activation = activation
         self.norm_first = norm_first
 
-    def _sa(self, x: Tensor, mask: Tensor | None, kpm: Tensor | None) -> Tensor:
-        out, _ = self.self_attn(x, key_padding_mask=kpm, attn_mask=mask, need_weights=False)
+    @property
+    def batch_first(self) -> bool:
+        """The input layout, (B, L, E) or (L, B, E): self_attn's (the position-wise parts have none)."""
+        return self.self_attn.batch_first
+
+    @property
+    def activation(self) -> str | Callable[[Tensor], Tensor]:
+        """'relu' / 'gelu', or the callable or module given (what to_official passes to PyTorch's layer)."""
+        act = self.ffn[1]
+        if type(act) is nn.ReLU or (type(act) is nn.GELU and act.approximate == "none"):
+            return "relu" if type(act) is nn.ReLU else "gelu"
+        return act.fn if isinstance(act, Activation) else act
+
+    def _sa(self, x: Tensor, mask: Tensor | None, kpm: Tensor | None, is_causal: bool) -> Tensor:
+        out, _ = self.self_attn(x, x, x, key_padding_mask=kpm, attn_mask=mask, need_weights=False,
+                                is_causal=is_causal)
         return self.dropout1(out)
 
     def forward(
@@ -81,9 +148,13 @@ class TransformerEncoderLayer(nn.Module):
         src: Tensor,
         src_mask: Tensor | None = None,
         src_key_padding_mask: Tensor | None = None,
+        is_causal: bool = False,
+        *,
         unpad: Unpadding | None = None,
     ) -> Tensor:
-        """src (B, L, E) -> (B, L, E): every position is computed, pads included (as PyTorch's layer does).
+        """src (B, L, E) (or (L, B, E) with batch_first=False, or unbatched (L, E)) -> the same shape: every
+        position is computed, pads included (as PyTorch's layer does). is_causal=True without src_mask applies
+        the causal mask.
 
         With unpad=Unpadding(key_padding_mask), src is packed: (N, E), the real tokens of a padded batch
         (see unpad.Unpadding), and so is the result. Norms, residuals and the feed-forward then run on
@@ -91,12 +162,12 @@ class TransformerEncoderLayer(nn.Module):
         is the padded computation's at the real tokens. TransformerEncoder runs its layers this way.
         """
         if unpad is None:
-            return self._block(src, lambda h: self._sa(h, src_mask, src_key_padding_mask))
+            return self._block(src, lambda h: self._sa(h, src_mask, src_key_padding_mask, is_causal))
         if src_key_padding_mask is not None:
             raise ValueError("with unpad=..., pass no src_key_padding_mask (it is the one unpad was built from).")
 
         def sa(h: Tensor) -> Tensor:
-            out, _ = self.self_attn(h, attn_mask=src_mask, need_weights=False, unpad=unpad)
+            out, _ = self.self_attn(h, attn_mask=src_mask, need_weights=False, is_causal=is_causal, unpad=unpad)
             return self.dropout1(out)
 
         return self._block(src, sa)
@@ -118,48 +189,39 @@ class TransformerEncoderLayer(nn.Module):
         does: one (tokens, ff_dim) tensor fewer to allocate and write. Same numbers either way."""
         lin1, act, drop, lin2 = self.ffn
         inplace = None if torch.is_grad_enabled() else _INPLACE.get(type(act))
-        if inplace is None or getattr(act, "approximate", "none") != "none":
+        if inplace is None or getattr(act, "approximate", "none") != "none" or x.is_nested:
             return self.ffn(x)
         return lin2(drop(inplace(lin1(x))))
 
-    # ---- converters to and from nn.TransformerEncoderLayer (batch_first) ----
+    # ---- converters to and from nn.TransformerEncoderLayer ----
     @classmethod
     def from_official(cls, layer: nn.TransformerEncoderLayer, explicit: bool = False) -> TransformerEncoderLayer:
-        """Ours with `layer`'s weights; explicit=True: its attention takes the weights path (MultiHeadAttention)."""
-        act = layer.activation
-        name = {F.relu: "relu", F.gelu: "gelu"}.get(act) or {nn.ReLU: "relu", nn.GELU: "gelu"}.get(type(act))
-        if name is None or (isinstance(act, nn.GELU) and act.approximate != "none"):
-            raise ValueError(f"from_official supports relu and exact gelu activations, got {act}.")
-        if not layer.self_attn.batch_first:
-            raise ValueError("from_official expects batch_first=True (our layers are batch-first).")
-        if layer.linear1.bias is None:
-            raise ValueError("from_official supports bias=True layers only (our feed-forward has biases).")
-        p = layer.dropout.p
-        ours = cls(
-            layer.self_attn.embed_dim, layer.self_attn.num_heads, layer.linear1.out_features, dropout=p,
-            activation=name, norm_first=layer.norm_first, layer_norm_eps=layer.norm1.eps,
-            self_attn=MultiHeadAttention.from_official(layer.self_attn, explicit=explicit),
-        ).to(layer.linear1.weight.device, layer.linear1.weight.dtype)
-        ours.ffn[0].load_state_dict(layer.linear1.state_dict())
-        ours.ffn[3].load_state_dict(layer.linear2.state_dict())
-        ours.norm1.load_state_dict(layer.norm1.state_dict())
-        ours.norm2.load_state_dict(layer.norm2.state_dict())
-        return ours
+        """Ours with `layer`'s weights and configuration (any activation, bias, batch_first, norm_first, each
+        dropout and eps, dtype, device, train / eval); explicit=True: its attention takes the weights path."""
+        attn = layer.self_attn
+        ours = cls(attn.embed_dim, attn.num_heads, layer.linear1.out_features, activation=layer.activation,
+                   batch_first=attn.batch_first, norm_first=layer.norm_first,
+                   self_attn=MultiHeadAttention.from_official(attn, explicit=explicit))
+        ours.ffn[0], ours.ffn[2], ours.ffn[3] = (copy.deepcopy(m) for m in (layer.linear1, layer.dropout, layer.linear2))
+        for name in ("norm1", "norm2", "dropout1", "dropout2"):  # copies keep eps, bias, dtype and device
+            setattr(ours, name, copy.deepcopy(getattr(layer, name)))
+        return ours.train(layer.training)
 
     def to_official(self) -> nn.TransformerEncoderLayer:
+        """nn.TransformerEncoderLayer with these weights and configuration; refuses what its attention cannot
+        express (MultiHeadAttention.to_official)."""
         attn = self.self_attn.to_official()  # first: it refuses what PyTorch's layer cannot express
         lin1 = self.ffn[0]
         layer = nn.TransformerEncoderLayer(
-            self.self_attn.embed_dim, self.self_attn.num_heads, lin1.out_features, dropout=self.dropout1.p,
-            activation=self.activation, layer_norm_eps=self.norm1.eps, batch_first=True,
-            norm_first=self.norm_first, device=lin1.weight.device, dtype=lin1.weight.dtype,
+            attn.embed_dim, attn.num_heads, lin1.out_features, dropout=self.dropout1.p, activation=self.activation,
+            layer_norm_eps=self.norm1.eps, batch_first=self.batch_first, norm_first=self.norm_first,
+            bias=lin1.bias is not None, device=lin1.weight.device, dtype=lin1.weight.dtype,
         )
         layer.self_attn = attn
-        layer.linear1.load_state_dict(lin1.state_dict())
-        layer.linear2.load_state_dict(self.ffn[3].state_dict())
-        layer.norm1.load_state_dict(self.norm1.state_dict())
-        layer.norm2.load_state_dict(self.norm2.state_dict())
-        return layer
+        layer.linear1, layer.dropout, layer.linear2 = (copy.deepcopy(m) for m in (lin1, self.ffn[2], self.ffn[3]))
+        for name in ("norm1", "norm2", "dropout1", "dropout2"):
+            setattr(layer, name, copy.deepcopy(getattr(self, name)))
+        return layer.train(self.training)
 
 
 class TransformerEncoder(nn.Module):
@@ -172,36 +234,57 @@ class TransformerEncoder(nn.Module):
     the collate pads them), attention runs on the real tokens too, each sequence on its own (nn.varlen),
     so padding costs no quadratic work either.
     `unpad=False` computes every position, pads included, as nn.TransformerEncoder does in training.
+    nn.TransformerEncoder's arguments, as keywords: `norm` (a final norm module; final_norm=True builds a
+    LayerNorm), `enable_nested_tensor` and `mask_check` (accepted and carried by the converters: ours unpads
+    in training and inference, whatever side the padding is on); forward's `is_causal`.
+    With `layer` given, embed_dim, num_heads and ff_dim may be left out (they are the layer's).
     """
 
     def __init__(
         self,
         num_layers: int,
-        embed_dim: int,
-        num_heads: int,
-        ff_dim: int,
+        embed_dim: int | None = None,
+        num_heads: int | None = None,
+        ff_dim: int = 2048,
         dropout: float = 0.1,
-        activation: str = "gelu",
+        activation: str | Callable[[Tensor], Tensor] = "gelu",
         norm_first: bool = False,
         final_norm: bool = False,
         layer: TransformerEncoderLayer | None = None,
         unpad: bool = True,
+        *,
+        norm: nn.Module | None = None,
+        enable_nested_tensor: bool = True,
+        mask_check: bool = True,
     ):
         super().__init__()
         if num_layers < 1:
             raise ValueError(f"num_layers must be >= 1, got {num_layers}.")
-        proto = layer or TransformerEncoderLayer(embed_dim, num_heads, ff_dim, dropout, activation, norm_first)
+        if layer is None and (embed_dim is None or num_heads is None):
+            raise ValueError("TransformerEncoder needs embed_dim and num_heads, or a layer to copy.")
+        if norm is not None and final_norm:
+            raise ValueError("pass norm=<module> or final_norm=True (a LayerNorm), not both.")
+        proto = layer or TransformerEncoderLayer(embed_dim, num_heads, ff_dim, dropout, activation,
+                                                 norm_first=norm_first)
         # deep copies, then fresh draws for layers 1+ so no two layers start identical
         self.layers = nn.ModuleList([copy.deepcopy(proto) for _ in range(num_layers)])
         for lyr in self.layers[1:]:
             reset_parameters(lyr)
-        self.norm = nn.LayerNorm(embed_dim) if final_norm else None
+        width = proto.self_attn.embed_dim
+        self.norm = norm if norm is not None else (nn.LayerNorm(width) if final_norm else None)
         # skip padded positions in the position-wise layers (forward); False computes every position
         self.unpad = unpad
+        self.enable_nested_tensor, self.mask_check = enable_nested_tensor, mask_check
 
-    def forward(self, src: Tensor, mask: Tensor | None = None, src_key_padding_mask: Tensor | None = None) -> Tensor:
-        # src: (B, L, E) -> (B, L, E)
-        unpad = self._unpadding(src, src_key_padding_mask)
+    def forward(self, src: Tensor, mask: Tensor | None = None, src_key_padding_mask: Tensor | None = None,
+                is_causal: bool | None = None) -> Tensor:
+        # src: (B, L, E) -> (B, L, E); (L, B, E) with sequence-first layers; unbatched (L, E)
+        seq_first = src.dim() == 3 and not self.layers[0].batch_first
+        if is_causal and mask is None:
+            L = src.size(1) if src.dim() == 3 and not seq_first else src.size(0)
+            mask = causal_mask(L, L, src.device)
+        bf = src.transpose(0, 1) if seq_first else src  # (B, L, E): the layout unpadding reads
+        unpad = self._unpadding(bf, src_key_padding_mask)
         if unpad is None:  # no padding (or unpad=False): every layer on the padded layout
             x = src
             for layer in self.layers:
@@ -210,8 +293,8 @@ class TransformerEncoder(nn.Module):
         # Unpad once for the whole stack (see unpad.Unpadding): (B, L, E) -> (N, E) real tokens; norms,
         # residuals and feed-forwards skip the pads and only attention sees the (B, L) layout. The
         # real tokens' outputs equal the padded computation's; padded positions come out as 0.
-        x = self.forward_packed(unpad.pack(src), unpad, mask)  # (N, E)
-        return unpad.unpack(x)  # (N, E) -> (B, L, E)
+        x = unpad.unpack(self.forward_packed(unpad.pack(bf), unpad, mask))  # (N, E) -> (B, L, E)
+        return x.transpose(0, 1) if seq_first else x
 
     def forward_packed(self, x: Tensor, unpad: Unpadding, mask: Tensor | None = None) -> Tensor:
         """The stack on packed tokens x (N, E) -> (N, E): the real tokens of unpad's padded layout (for packed
@@ -223,7 +306,7 @@ class TransformerEncoder(nn.Module):
         return self.norm(x) if self.norm is not None else x
 
     def _unpadding(self, src: Tensor, kpm: Tensor | None) -> Unpadding | None:
-        """An Unpadding when it applies: a bool (B, L) mask that pads something. Else None, and the
+        """An Unpadding when it applies: a bool (B, L) mask that pads something, src (B, L, E). Else None, and the
         padded path runs (it is also the one that reports malformed inputs and masks)."""
         if not self.unpad or kpm is None or kpm.dtype != torch.bool or src.dim() != 3:
             return None
@@ -236,22 +319,21 @@ class TransformerEncoder(nn.Module):
 
     @classmethod
     def from_official(cls, enc: nn.TransformerEncoder, explicit: bool = False) -> TransformerEncoder:
-        """Ours with `enc`'s weights; explicit=True: every layer's attention takes the weights path."""
+        """Ours with `enc`'s layers, weights and norm; explicit=True: every layer's attention takes the weights
+        path."""
         layers = [TransformerEncoderLayer.from_official(lyr, explicit) for lyr in enc.layers]
-        first = layers[0]
-        ours = cls(len(layers), first.self_attn.embed_dim, first.self_attn.num_heads,
-                   first.ffn[0].out_features, final_norm=enc.norm is not None, layer=first)
+        ours = cls(len(layers), layer=layers[0], norm=copy.deepcopy(enc.norm),  # keeps its eps, dtype, device
+                   enable_nested_tensor=getattr(enc, "enable_nested_tensor", True),
+                   mask_check=getattr(enc, "mask_check", True))
         ours.layers = nn.ModuleList(layers)
-        if enc.norm is not None:
-            ours.norm = copy.deepcopy(enc.norm)  # keeps its eps, dtype and device, not just its weights
-        return ours
+        return ours.train(enc.training)
 
     def to_official(self) -> nn.TransformerEncoder:
         layers = [lyr.to_official() for lyr in self.layers]
         enc = nn.TransformerEncoder(layers[0], len(layers), norm=copy.deepcopy(self.norm),
-                                    enable_nested_tensor=False)
+                                    enable_nested_tensor=self.enable_nested_tensor, mask_check=self.mask_check)
         enc.layers = nn.ModuleList(layers)
-        return enc
+        return enc.train(self.training)
 
 
 class OfficialEncoder(nn.Module):

@@ -280,6 +280,8 @@ def varlen_applies(mha, attn_mask: Tensor | None) -> bool:
     same way (kernels say so with `per_sequence = True`), and the mask is None or one (L, L) for all."""
     if mha.explicit or not getattr(mha.attention, "per_sequence", False):
         return False
+    if mha.bias_k is not None or mha.add_zero_attn:  # keys appended to every sequence: the padded path has them
+        return False
     return attn_mask is None or (attn_mask.dim() == 2 and attn_mask.size(0) == attn_mask.size(1))
 
 
