@@ -282,8 +282,10 @@ class MultiHeadAttention(nn.MultiheadAttention):
 
     @property
     def in_proj_weight(self) -> Tensor | None:
-        """(3E, E) = [W_Q; W_K; W_V] when _qkv_same_embed_dim, else None (then q/k/v_proj_weight hold them)."""
-        if not self._qkv_same_embed_dim:
+        """[W_Q; W_K; W_V], (3E, E); None when kdim / vdim differ from embed_dim, as in PyTorch (q/k/v_proj_weight
+        hold them). Also with a variant, whose _qkv_same_embed_dim is False: PyTorch's encoder reads it before
+        its layers decline their fused path."""
+        if not self.kdim == self.vdim == self.embed_dim:
             return None
         return torch.cat([self.W_Q.weight, self.W_K.weight, self.W_V.weight])
 

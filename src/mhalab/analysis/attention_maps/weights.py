@@ -11,6 +11,7 @@ random features), so they raise `NoAttentionWeights` saying so.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 
 import torch
@@ -56,9 +57,32 @@ def check_has_weights(model: nn.Module) -> None:
             )
 
 
-@torch.no_grad()
-def _no_grad_forward(model, input_ids, padding_mask):
-    return model(input_ids, padding_mask)
+def capture_weights(run: Callable[[], Tensor], attns: Sequence[nn.Module]) -> tuple[Tensor, list[Tensor | None]]:
+    """(run()'s output, detached, and each module's weights of that call: (B, H, L_q, L_k), or None if it was not
+    called or gave none). Works on any model whose attention is nn.MultiheadAttention or ours (e.g. after
+    mhalab.swap_attention): a pre-hook turns each call to need_weights=True, average_attn_weights=False, a
+    post-hook keeps the weights. Run with autograd on, where PyTorch's fused layers (which skip their attention
+    module) stand down; the output is detached. A module called twice keeps its last call's weights."""
+    captured: list[Tensor | None] = [None] * len(attns)
+
+    def pre_hook(module, args, kwargs):
+        return args, dict(kwargs, need_weights=True, average_attn_weights=False)
+
+    def post_hook(i):
+        def hook(module, args, kwargs, output):
+            captured[i] = output[1]
+        return hook
+
+    with ExitStack() as stack:
+        for i, attn in enumerate(attns):
+            stack.callback(attn.register_forward_pre_hook(pre_hook, with_kwargs=True).remove)
+            stack.callback(attn.register_forward_hook(post_hook(i), with_kwargs=True).remove)
+        # nn.TransformerEncoderLayer skips self_attn (its fused "fast path") when no gradient is needed, and
+        # nn.TransformerEncoder hands its layers nested tensors; with grad enabled neither happens
+        stack.enter_context(torch.inference_mode(False))
+        stack.enter_context(torch.enable_grad())
+        out = run().detach()
+    return out, [None if w is None else w.detach() for w in captured]
 
 
 def attention_weights(model: nn.Module, input_ids: Tensor, padding_mask: Tensor | None = None
@@ -69,22 +93,8 @@ def attention_weights(model: nn.Module, input_ids: Tensor, padding_mask: Tensor 
     """
     check_has_weights(model)
     attns = attention_modules(model)
-    captured: list[Tensor | None] = [None] * len(attns)
-
-    def pre_hook(module, args, kwargs):
-        kwargs = dict(kwargs, need_weights=True)
-        if isinstance(module, nn.MultiheadAttention):
-            kwargs["average_attn_weights"] = False  # per head, not their mean
-        return args, kwargs
-
-    def post_hook(i):
-        def hook(module, args, kwargs, output):
-            captured[i] = output[1]
-        return hook
-
     was_training = model.training
     model.eval()  # no dropout on the weights
-    official = any(isinstance(a, nn.MultiheadAttention) for a in attns)
     encoder = inner(model).encoder
     with ExitStack() as stack:
         if getattr(encoder, "unpad", False):
@@ -93,22 +103,12 @@ def attention_weights(model: nn.Module, input_ids: Tensor, padding_mask: Tensor 
             # path gives the same weights
             encoder.unpad = False
             stack.callback(setattr, encoder, "unpad", True)
-        for i, attn in enumerate(attns):
-            stack.callback(attn.register_forward_pre_hook(pre_hook, with_kwargs=True).remove)
-            stack.callback(attn.register_forward_hook(post_hook(i), with_kwargs=True).remove)
-        if official:
-            # nn.TransformerEncoderLayer skips self_attn (its fused "fast path") when no gradient is
-            # needed; with grad enabled it calls self_attn, so the hooks see every layer.
-            stack.enter_context(torch.inference_mode(False))
-            stack.enter_context(torch.enable_grad())
-            input_ids = input_ids.clone()
-            padding_mask = None if padding_mask is None else padding_mask.clone()
-            logits = model(input_ids, padding_mask).detach()
-        else:
-            logits = _no_grad_forward(model, input_ids, padding_mask)
+        input_ids = input_ids.clone()  # out of any inference-mode tensor, for the grad-enabled pass
+        padding_mask = None if padding_mask is None else padding_mask.clone()
+        logits, captured = capture_weights(lambda: model(input_ids, padding_mask), attns)
     model.train(was_training)
     missing = [i for i, w in enumerate(captured) if w is None]
     if missing:
         raise NoAttentionWeights(f"layers {missing} returned no attention weights (kernel "
                                  f"{_kernel_name(attns[missing[0]])}); maps need attention=full or window.")
-    return logits, [w.detach().float() for w in captured]
+    return logits, [w.float() for w in captured]
