@@ -74,9 +74,11 @@ def test_library_names_are_the_documented_classes():
     from mhalab.model import SequenceClassifier
     from mhalab.nn.attention import MultiHeadAttention, ScaledDotProductAttention
     from mhalab.nn.encoder import TransformerEncoder, TransformerEncoderLayer
+    from mhalab.nn.swap import swap_attention
 
     assert (mhalab.ScaledDotProductAttention, mhalab.MultiHeadAttention, mhalab.TransformerEncoderLayer,
-            mhalab.TransformerEncoder, mhalab.SequenceClassifier) == (
-        ScaledDotProductAttention, MultiHeadAttention, TransformerEncoderLayer, TransformerEncoder, SequenceClassifier)
+            mhalab.TransformerEncoder, mhalab.SequenceClassifier, mhalab.swap_attention) == (
+        ScaledDotProductAttention, MultiHeadAttention, TransformerEncoderLayer, TransformerEncoder, SequenceClassifier,
+        swap_attention)
     assert sorted(mhalab.__all__) == sorted(["ScaledDotProductAttention", "MultiHeadAttention", "TransformerEncoderLayer",
-                                             "TransformerEncoder", "SequenceClassifier"])
+                                             "TransformerEncoder", "SequenceClassifier", "swap_attention"])

@@ -62,7 +62,8 @@ def capture_weights(run: Callable[[], Tensor], attns: Sequence[nn.Module]) -> tu
     called or gave none). Works on any model whose attention is nn.MultiheadAttention or ours (e.g. after
     mhalab.swap_attention): a pre-hook turns each call to need_weights=True, average_attn_weights=False, a
     post-hook keeps the weights. Run with autograd on, where PyTorch's fused layers (which skip their attention
-    module) stand down; the output is detached. A module called twice keeps its last call's weights."""
+    module) stand down; the output is detached. A module called twice keeps its last call's weights. Inputs made
+    under a caller's torch.inference_mode cannot enter that graph: run() copies them (clone) when it is called."""
     captured: list[Tensor | None] = [None] * len(attns)
 
     def pre_hook(module, args, kwargs):
@@ -103,9 +104,10 @@ def attention_weights(model: nn.Module, input_ids: Tensor, padding_mask: Tensor 
             # path gives the same weights
             encoder.unpad = False
             stack.callback(setattr, encoder, "unpad", True)
-        input_ids = input_ids.clone()  # out of any inference-mode tensor, for the grad-enabled pass
-        padding_mask = None if padding_mask is None else padding_mask.clone()
-        logits, captured = capture_weights(lambda: model(input_ids, padding_mask), attns)
+        # cloned inside capture_weights' grad-enabled pass: a copy made outside it, under a caller's
+        # inference_mode (Lightning's test and predict loops), would still be an inference tensor
+        logits, captured = capture_weights(
+            lambda: model(input_ids.clone(), None if padding_mask is None else padding_mask.clone()), attns)
     model.train(was_training)
     missing = [i for i, w in enumerate(captured) if w is None]
     if missing:
