@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mhalab import swap_attention
+from mhalab.nn import official_names
 from mhalab.analysis.options import doc, emit, parse
 from mhalab.errors import ConfigError, one_line_errors
 
@@ -69,6 +70,29 @@ def _step(model: nn.Module, opt: torch.optim.Optimizer, ids, pad, labels, train:
     return time.perf_counter() - t0
 
 
+def same_function(original: nn.Module, swapped: nn.Module, ids, pad, labels) -> float:
+    """The largest |difference| between the two models' inference logits and between their gradients of one loss
+    (eval mode: no dropout, and with grad on, the unfused path), compared under PyTorch's parameter names: the
+    benchmark times one function computed two ways, or it refuses."""
+    for m in (original, swapped):
+        m.eval()
+    with torch.inference_mode():
+        diffs = [(original(ids, pad) - swapped(ids, pad)).abs().max().item()]
+    grads = []
+    for m, names in ((original, lambda m: {n: [p] for n, p in m.named_parameters()}), (swapped, official_names)):
+        m.zero_grad(set_to_none=True)
+        F.cross_entropy(m(ids, pad), labels).backward()
+        grads.append({n: torch.cat([p.grad for p in ps]) for n, ps in names(m).items()})
+        m.zero_grad(set_to_none=True)
+    if grads[0].keys() != grads[1].keys():
+        raise RuntimeError(f"the swapped model has other parameters: {sorted(grads[0].keys() ^ grads[1].keys())}")
+    diffs += [(grads[0][n] - grads[1][n]).abs().max().item() for n in grads[0]]
+    worst = max(diffs)
+    if not worst <= 1e-4:
+        raise RuntimeError(f"the swapped model computes another function (max |diff| {worst:.3g}): not timed.")
+    return worst
+
+
 def _ratio_interval(a: list[float], b: list[float], n: int = 2000) -> tuple[float, float]:
     r = np.array(b) / np.array(a)
     meds = np.median(np.random.default_rng(0).choice(r, (n, len(r))), axis=1)
@@ -89,6 +113,7 @@ def main(argv=None) -> None:
     labels = torch.randint(0, 2, (args.batch,), generator=g)
     original = Classifier()
     models = {"original (nn.MultiheadAttention)": original, "swapped (mhalab)": swap_attention(copy.deepcopy(original))}
+    same = same_function(*models.values(), ids, pad, labels)
     opts = {name: torch.optim.AdamW(m.parameters(), lr=1e-4) for name, m in models.items()}
     times = {(name, mode): [] for name in models for mode in ("train", "infer")}
     for r in range(args.reps + 1):
@@ -103,7 +128,8 @@ def main(argv=None) -> None:
              f"before and after swap_attention: {args.batch} sequences of {args.min_len}-{args.max_len} tokens "
              f"(padding {100 * float(pad.float().mean()):.0f}% at L={L}), float32, {torch.get_num_threads()} "
              f"threads, torch {torch.__version__}; medians of {args.reps} interleaved rounds "
-             f"(`python scripts/swap_bench.py reps={args.reps}`)")
+             f"(`python scripts/swap_bench.py reps={args.reps}`). Before timing, the two models' logits and "
+             f"gradients differ by at most {same:.1e} (eval logits; train step gradients, dropout 0).")
     lines = [title, "", "| step | original (ms) | swapped (ms) | swapped / original | 95% interval |",
              "|---|---|---|---|---|"]
     for mode, label in (("train", "training step (fwd + bwd + AdamW)"), ("infer", "inference (eval, fused layer)")):

@@ -129,3 +129,42 @@ def test_smallest_run_writes_json_markdown_and_png(tmp_path, capsys):
     md = (tmp_path / "bench.md").read_text()
     assert md.startswith("# Benchmark: ") and md.count("| enc | train | 8 | 2 |") == 3
     assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_swap_bench_times_one_function_and_reports_ratios_of_its_medians(tmp_path):
+    """scripts/swap_bench.py: the swapped copy computes the original's logits and gradients (checked before any
+    timing, the figure in the title), and each row's ratio lies in its bootstrap interval."""
+    import importlib.util
+    import re
+    import sys
+
+    from conftest import REPO
+
+    spec = importlib.util.spec_from_file_location("swap_bench", REPO / "scripts" / "swap_bench.py")
+    swap_bench = importlib.util.module_from_spec(spec)
+    sys.modules["swap_bench"] = swap_bench  # its dataclass looks its module up there
+    try:
+        spec.loader.exec_module(swap_bench)
+    finally:
+        del sys.modules["swap_bench"]
+    out = tmp_path / "swap.md"
+    swap_bench.main(["reps=3", "batch=3", "min_len=4", "max_len=9", f"out={out}"])
+    text = out.read_text()
+    same = float(re.search(r"differ by at most ([0-9.e+-]+) ", text).group(1))
+    assert same <= 1e-5
+    rows = [r for r in text.splitlines() if r.startswith("| training") or r.startswith("| inference")]
+    assert len(rows) == 2
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        ratio, (lo, hi) = float(cells[3].rstrip("x")), map(float, cells[4].split("-"))
+        assert 0.2 < ratio < 5 and lo <= ratio <= hi
+    # and a model that computes something else is refused before timing
+    import copy
+
+    original = swap_bench.Classifier(vocab=50, d=16, heads=2, ff=32, layers=1)
+    other = swap_bench.swap_attention(copy.deepcopy(original))
+    with torch.no_grad():
+        other.encoder.layers[0].self_attn.W_V.weight[0, 0] += 1e-2
+    ids, pad = torch.randint(1, 50, (2, 5)), torch.zeros(2, 5, dtype=torch.bool)
+    with pytest.raises(RuntimeError, match="another function"):
+        swap_bench.same_function(original, other, ids, pad, torch.tensor([0, 1]))
