@@ -28,9 +28,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from mhalab import swap_attention
-from mhalab.nn import official_names
 from mhalab.analysis.options import doc, emit, parse
 from mhalab.errors import ConfigError, one_line_errors
+from mhalab.nn import official_names
 
 
 @dataclass

@@ -152,7 +152,7 @@ def test_swap_bench_times_one_function_and_reports_ratios_of_its_medians(tmp_pat
     text = out.read_text()
     same = float(re.search(r"differ by at most ([0-9.e+-]+) ", text).group(1))
     assert same <= 1e-5
-    rows = [r for r in text.splitlines() if r.startswith("| training") or r.startswith("| inference")]
+    rows = [r for r in text.splitlines() if r.startswith(("| training", "| inference"))]
     assert len(rows) == 2
     for row in rows:
         cells = [c.strip() for c in row.strip("|").split("|")]
