@@ -45,6 +45,8 @@ CASES = [
     Case("unknown-key-of-a-chosen-group", "train.py", ["pretrain=mlm", "pretrain.epoch=3"],
          "unknown key 'pretrain.epoch'; did you mean pretrain.epochs? (a new key needs a +: +pretrain.epoch=...)"),
     Case("unknown-key-far-from-any", "train.py", ["zzz=1"], "unknown key 'zzz' (a new key needs a +: +zzz=...)"),
+    Case("two-unknown-keys", "train.py", ["trainer.limit_val_batches=2", "trainer.limit_test_batches=2"],
+         "unknown key 'trainer.limit_val_batches' (a new key needs a +: +trainer.limit_val_batches=...)"),
     Case("unknown-group-option", "train.py", ["model=customm"],
          "unknown model 'customm'; choose one of custom, official."),
     Case("unknown-option-in-a-sweep", "train.py", ["-m", "seed=0,1", "callbacks=ema,emaa"],
@@ -201,6 +203,18 @@ CASES = [
     Case("pretrain-mask-prob", "train.py", ["pretrain=mlm", "pretrain.mask_prob=0"],
          "pretrain.mask_prob=0 must be in (0, 1), e.g. 0.15."),
 ]
+# ---------------------------------------------------------------- the wrong machine (this one has no GPU): refused
+# before Hydra makes the run dir (MACHINE cases also assert that no run dir is left)
+NO_GPU = "trainer.accelerator=gpu needs a CUDA GPU and this machine has none; use {}, or run where " \
+         "torch.cuda.is_available()."
+MACHINE = [
+    Case("machine-trainer-gpu", "train.py", ["trainer=gpu"], NO_GPU.format("trainer=cpu")),
+    Case("machine-trainer-ddp", "train.py", ["trainer=ddp"], NO_GPU.format("trainer=ddp_cpu (processes on the CPU)")),
+    Case("machine-experiment-article", "train.py", ["experiment=article"], NO_GPU.format("trainer=cpu")),
+    Case("machine-gpu-devices-in-a-sweep", "train.py", ["-m", "seed=0,1", "trainer=gpu", "trainer.devices=4"],
+         NO_GPU.format("trainer=cpu")),
+]
+CASES += MACHINE
 
 SMALL = ["trainer=cpu", "trainer.enable_progress_bar=false", "callbacks.progress_bar=null", "dim=32",
          "heads=4", "layers=1", "batch_size=16", "max_len=32", "data.vocab_size=200", "data.min_frequency=1"]
@@ -279,7 +293,15 @@ def _argv(case: Case, tmp: Path, toy: Path) -> list[str]:
     if case.script == "train.py":
         data = tmp / case.data if case.data else toy
         run_dir = tmp / case.run_dir if case.run_dir else tmp / case.id / "run"
-        args = _base(run_dir, data, tmp / case.id / "cache") + args
+        if "-m" in args:
+            run_dir = run_dir.parent / "multirun"
+        # the case's own choice of a base key wins (an experiment chooses its trainer)
+        keys = {a.split("=", 1)[0] for a in args}
+        keys |= {"trainer"} if "experiment" in keys else set()
+        base = [b for b in _base(run_dir, data, tmp / case.id / "cache") if b.split("=", 1)[0] not in keys]
+        if "-m" in args:
+            base = [b.replace("hydra.run.dir=", "hydra.sweep.dir=") for b in base]
+        args = base + args
     return [case.script, *args]
 
 
@@ -354,6 +376,9 @@ def test_user_error_is_one_line_and_exit_2(case, outcomes, tmp):
     lines = [line for line in p.stderr.splitlines() if line.strip()]
     assert lines and lines[-1] == "error: " + _fill(case.message, tmp), _show(p)
     assert sum(line.startswith("error:") for line in lines) == 1, _show(p)
+    if case in MACHINE:  # refused before Hydra made a run dir (or a sweep dir)
+        left = [p for p in (tmp / case.id).glob("*") if p.name != "cache"]
+        assert not left, f"a refused run left {left}" + _show(p)
     if case.script == "train.py":  # it failed before the expensive work
         trained = list((tmp / case.id / "cache").glob("**/tokenizer-*.json"))
         assert not trained, f"a tokenizer was trained before the error: {trained}" + _show(p)

@@ -41,7 +41,7 @@ def check_overrides(config_name: str, argv: list[str]) -> None:
     from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
     from omegaconf import OmegaConf
 
-    from mhalab.train.config import CONF_DIR
+    from mhalab.train.config import CONF_DIR, check_machine
 
     if any(a.startswith("-") and a not in ("-m", "--multirun") for a in argv):
         return
@@ -83,6 +83,8 @@ def check_overrides(config_name: str, argv: list[str]) -> None:
                 compose_job(job)
             for i, option in other_options:
                 compose_job([*job[:i], option, *job[i + 1:]])
+            if cfg.get("trainer") is not None:  # before Hydra makes a run dir: a refusal leaves nothing behind
+                check_machine(OmegaConf.to_container(cfg.trainer, resolve=False))
         except MissingConfigException as e:
             group, _, name = (e.missing_cfg_file or "").rpartition("/")
             if not (group and e.options):
@@ -90,6 +92,8 @@ def check_overrides(config_name: str, argv: list[str]) -> None:
             exit_with(ConfigError(f"unknown {group} '{name}'; choose one of {', '.join(e.options)}."))
         except ConfigCompositionException as e:
             exit_with(ConfigError(_composition_message(str(e), job, compose_job)))
+        except ConfigError as e:
+            exit_with(e)
 
 
 def _sweep_values(o) -> list[str]:
@@ -119,7 +123,12 @@ def _composition_message(hydra_message: str, job: list[str], compose_job) -> str
     if not missing:
         return " ".join(hydra_message.split())
     key = missing.group(1)
-    cfg = compose_job([o for o in job if o.split("=", 1)[0].lstrip("+~") != key])
+    from hydra.errors import ConfigCompositionException
+
+    try:
+        cfg = compose_job([o for o in job if o.split("=", 1)[0].lstrip("+~") != key])
+    except ConfigCompositionException:  # another override fails too: name this one, without a hint
+        return f"unknown key '{key}' (a new key needs a +: +{key}=...)"
     keys = [".".join(str(k) for k in path) for path in _leaf_paths(OmegaConf.to_container(cfg, resolve=False))]
     near = difflib.get_close_matches(key, keys, n=1, cutoff=0.75)
     hint = f"; did you mean {near[0]}?" if near else ""
@@ -143,6 +152,12 @@ def _leaf_paths(node, prefix=()):
 
 def train() -> None:
     """mhalab-train (and `python train.py` in a checkout): one run, or a sweep with -m."""
+    from mhalab.train.allocator import reexec_with_allocator
+
+    try:
+        reexec_with_allocator()  # first: the process starts again with mimalloc preloaded (see allocator.py)
+    except ConfigError as e:
+        exit_with(e)
     import hydra
 
     from mhalab.train import config  # registers the resolvers the configs use

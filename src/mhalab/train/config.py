@@ -149,6 +149,7 @@ def validate(cfg: DictConfig) -> None:
         _ok(check_decay, _float(cfg, "callbacks.ema.decay"))
 
     t = cfg.trainer
+    check_machine(t)
     max_steps = _int(cfg, "trainer.max_steps", -1) if t.get("max_steps") is not None else -1
     if max_steps <= 0 and not t.get("fast_dev_run"):
         epochs = _int(cfg, "trainer.max_epochs")
@@ -171,6 +172,28 @@ def validate(cfg: DictConfig) -> None:
         path = checkpoint.resolve(str(cfg.ckpt_path))
         checkpoint.check_fits(path, OmegaConf.to_container(m, resolve=True),
                               OmegaConf.to_container(cfg.data, resolve=True))
+
+
+def check_machine(trainer: DictConfig | dict) -> None:
+    """What a trainer config asks of this machine, before anything is read or written: a GPU accelerator needs a
+    CUDA GPU (trainer=gpu, trainer=ddp and experiment=article choose one), and its `devices` no more GPUs than
+    there are. Lightning's own refusal comes after the data is read, as a long traceback."""
+    accelerator = str(trainer.get("accelerator", "auto"))
+    if accelerator not in ("gpu", "cuda"):
+        return
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    multi = str(trainer.get("strategy", "auto")).startswith("ddp")
+    instead = "trainer=ddp_cpu (processes on the CPU)" if multi else "trainer=cpu"
+    if have == 0:
+        raise ConfigError(f"trainer.accelerator={accelerator} needs a CUDA GPU and this machine has none; use "
+                          f"{instead}, or run where torch.cuda.is_available().")
+    devices = trainer.get("devices", 1)
+    wanted = devices if isinstance(devices, int) else len(devices) if isinstance(devices, list | tuple) else None
+    if isinstance(devices, str) and devices.lstrip("-").isdigit():
+        wanted = int(devices)
+    if wanted is not None and wanted > have:
+        raise ConfigError(f"trainer.devices={devices} asks for {wanted} GPUs and this machine has {have}; set "
+                          f"trainer.devices={have} (or -1: all of them).")
 
 
 def _check_pretraining(cfg: DictConfig) -> None:

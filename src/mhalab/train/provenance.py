@@ -77,4 +77,5 @@ def provenance(root_device: torch.device | str | None = None) -> dict:
     from mhalab.train.config import source_checkout
 
     return {**code_state(source_checkout()), "versions": versions(), **device(root_device),
-            "platform": platform.platform(), "argv": list(sys.argv)}
+            "platform": platform.platform(), "argv": list(sys.argv),
+            "allocator": os.environ.get("LD_PRELOAD") or "system"}  # mimalloc's path once the launcher preloaded it

@@ -1,0 +1,110 @@
+"""Resident memory over training steps, under the allocator mhalab-train preloads (mimalloc) and under glibc's malloc.
+
+    python scripts/memory_curve.py loop [steps=300] [every=25] [dim=128] [layers=2] [batch=32]   # one allocator
+    python scripts/memory_curve.py fit [steps=1400] [allocators=mimalloc,system] [out=results/memory.md]  # IMDB
+
+`loop`: this process trains the default encoder (packed path, as a bucketed run) on random token batches whose
+lengths are drawn like IMDB's (log-normal, 10-512 tokens, 32 a batch), a fresh length draw every step, with no
+Lightning, data or logging around it; prints one JSON line {"step", "rss_mb", "s"} every `every` steps. Its
+allocator is the one it was started with (MHALAB_ALLOCATOR / LD_PRELOAD): `fit` and tests/test_memory.py start it
+both ways.
+`fit`: `mhalab-train data=imdb trainer.max_steps=<steps>` (one thread, no test), with each allocator named (mimalloc,
+the default; system, glibc's malloc), one after the other; reads each run's perf/rss_mb curve (MemoryMonitor)
+and writes the table: RSS at steps 200, 400, ... and the last, the growth from step 200, and the wall time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _args(argv: list[str], **defaults):
+    out = dict(defaults)
+    for a in argv:
+        key, _, value = a.partition("=")
+        if key not in out:
+            sys.exit(f"error: unknown option {key!r}; options: {', '.join(out)}")
+        out[key] = type(defaults[key])(value)
+    return out
+
+
+def loop(argv: list[str]) -> None:
+    import numpy as np
+    import torch
+    import torch.nn.functional as F
+
+    from mhalab.model import SequenceClassifier
+    from mhalab.nn.varlen import SeqLens
+    from mhalab.train.memory import current_rss_mb
+
+    a = _args(argv, steps=300, every=25, dim=128, layers=2, batch=32, seed=0)
+    torch.set_num_threads(1)
+    torch.manual_seed(a["seed"])
+    rng = np.random.default_rng(a["seed"])
+    model = SequenceClassifier(8000, 2, dim=a["dim"], heads=4, layers=a["layers"], ff_dim=4 * a["dim"], dropout=0.2,
+                               max_len=512)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    t0 = time.perf_counter()
+    for step in range(1, a["steps"] + 1):
+        lengths = np.minimum(rng.lognormal(5.3, 0.6, a["batch"]).astype(int) + 10, 512)
+        lengths = sorted(lengths.tolist(), reverse=True)  # a bucketed batch's order
+        ids = torch.randint(1, 8000, (sum(lengths),))  # (N,) packed
+        loss = F.cross_entropy(model(ids, seqlens=SeqLens(lengths)), torch.randint(0, 2, (a["batch"],)))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        if step % a["every"] == 0:
+            print(json.dumps({"step": step, "rss_mb": round(current_rss_mb(), 1),
+                              "s": round(time.perf_counter() - t0, 2)}), flush=True)
+
+
+def _rss_curve(run: Path) -> dict[int, float]:
+    import pandas as pd
+
+    log = pd.read_csv(next(run.glob("**/metrics.csv")))
+    rows = log.dropna(subset=["perf/rss_mb"])
+    return {int(s) + 1: float(v) for s, v in zip(rows["step"], rows["perf/rss_mb"])}
+
+
+def fit(argv: list[str]) -> None:
+    a = _args(argv, steps=1400, out="results/memory.md", data_dir="", allocators="mimalloc,system")
+    rows, cmd_shown = [], None
+    for allocator in a["allocators"].split(","):
+        run = REPO / "outputs" / f"memory-{allocator}"
+        cmd = [sys.executable, str(REPO / "train.py"), "data=imdb", "num_threads=1", f"trainer.max_steps={a['steps']}",
+               "test_after_fit=false", "trainer.enable_progress_bar=false", "callbacks.progress_bar=null",
+               f"hydra.run.dir={run}", *([f"paths.data_dir={a['data_dir']}"] if a["data_dir"] else [])]
+        cmd_shown = " ".join(cmd[2:-1])
+        t0 = time.time()
+        subprocess.run(cmd, env=dict(os.environ, MHALAB_ALLOCATOR=allocator), check=True, cwd=REPO)
+        curve = _rss_curve(run)
+        steps = sorted(curve)
+        at = {s: curve[s] for s in steps if s % 200 == 0 or s == steps[-1]}
+        rows.append((allocator, at, time.time() - t0))
+    marks = sorted(set().union(*(r[1] for r in rows)))
+    title = (f"Resident memory (GB) of an IMDB fit, `python train.py {cmd_shown}` with MHALAB_ALLOCATOR=mimalloc "
+             f"(the default) and =system (glibc's malloc), one after the other, nothing else running "
+             f"(`python scripts/memory_curve.py fit steps={a['steps']} allocators={a['allocators']}`)")
+    lines = [title, "",
+             "| allocator | " + " | ".join(f"step {s}" for s in marks) + " | last / step 200 | wall (min) |",
+             "|---|" + "---|" * (len(marks) + 2)]
+    for allocator, at, wall in rows:
+        first, last = at.get(200), at[max(at)]
+        ratio = f"{last / first:.2f}x" if first else "n/a"
+        lines.append(f"| {allocator} | " + " | ".join(f"{at[s] / 1024:.2f}" if s in at else "" for s in marks)
+                     + f" | {ratio} | {wall / 60:.1f} |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    Path(a["out"]).write_text(text)
+
+
+if __name__ == "__main__":
+    mode, *rest = sys.argv[1:] or ["loop"]
+    {"loop": loop, "fit": fit}.get(mode, lambda _: sys.exit(f"error: unknown mode {mode!r}; use loop or fit"))(rest)
