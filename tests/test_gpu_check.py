@@ -143,7 +143,9 @@ def test_peak_table_by_device_name(name, peak):
 
 def test_wheels_are_the_dependencies_the_bare_machine_lacks():
     """mhalab's core dependencies' closure (this venv's metadata) less what the GPU machine has: hydra and its
-    parser runtime, datasets and its two pinned helpers; nothing heavy (pyarrow, pandas are there)."""
+    parser runtime, datasets and its two pinned helpers, mimalloc (cmeel-mimalloc, the allocator mhalab-train
+    preloads, and cmeel, its path hook); nothing heavy (pyarrow, pandas are there)."""
     needed = gc.wheels_needed()
-    assert set(needed) == {"hydra-core", "omegaconf", "antlr4-python3-runtime", "datasets", "dill", "multiprocess"}
+    assert set(needed) == {"hydra-core", "omegaconf", "antlr4-python3-runtime", "datasets", "dill", "multiprocess",
+                           "cmeel-mimalloc", "cmeel"}
     assert needed["antlr4-python3-runtime"].startswith("4.9.")  # hydra-core pins 4.9.*

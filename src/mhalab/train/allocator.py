@@ -64,4 +64,7 @@ def reexec_with_allocator() -> None:
     if env is not None:
         sys.stdout.flush()
         sys.stderr.flush()
-        os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
+        try:
+            os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
+        except OSError:  # the interpreter cannot be started again (e.g. not executable by this user): go on as is
+            return

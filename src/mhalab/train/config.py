@@ -148,8 +148,7 @@ def validate(cfg: DictConfig) -> None:
     if OmegaConf.select(cfg, "callbacks.ema") is not None:  # callbacks=ema
         _ok(check_decay, _float(cfg, "callbacks.ema.decay"))
 
-    t = cfg.trainer
-    check_machine(t)
+    t = cfg.trainer  # (what it asks of the machine: check_machine, before Hydra runs, in mhalab.cli)
     max_steps = _int(cfg, "trainer.max_steps", -1) if t.get("max_steps") is not None else -1
     if max_steps <= 0 and not t.get("fast_dev_run"):
         epochs = _int(cfg, "trainer.max_epochs")
