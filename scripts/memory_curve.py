@@ -8,7 +8,7 @@ lengths are drawn like IMDB's (log-normal, 10-512 tokens, 32 a batch), a fresh l
 Lightning, data or logging around it; prints one JSON line {"step", "rss_mb", "s"} every `every` steps. Its
 allocator is the one it was started with (MHALAB_ALLOCATOR / LD_PRELOAD): `fit` and tests/test_memory.py start it
 both ways.
-`fit`: `mhalab-train data=imdb trainer.max_steps=<steps>` (one thread, no test), with each allocator named (mimalloc,
+`fit`: `mhalab-train data=imdb ++trainer.max_steps=<steps>` (one thread, no test), with each allocator named (mimalloc,
 the default; system, glibc's malloc), one after the other; reads each run's perf/rss_mb curve (MemoryMonitor)
 and writes the table: RSS at steps 200, 400, ... and the last, the growth from step 200, and the wall time.
 """
@@ -78,7 +78,7 @@ def fit(argv: list[str]) -> None:
     rows, cmd_shown = [], None
     for allocator in a["allocators"].split(","):
         run = REPO / "outputs" / f"memory-{allocator}"
-        cmd = [sys.executable, str(REPO / "train.py"), "data=imdb", "num_threads=1", f"trainer.max_steps={a['steps']}",
+        cmd = [sys.executable, str(REPO / "train.py"), "data=imdb", "num_threads=1", f"++trainer.max_steps={a['steps']}",
                "test_after_fit=false", "trainer.enable_progress_bar=false", "callbacks.progress_bar=null",
                f"hydra.run.dir={run}", *([f"paths.data_dir={a['data_dir']}"] if a["data_dir"] else [])]
         cmd_shown = " ".join(cmd[2:-1])
@@ -89,7 +89,7 @@ def fit(argv: list[str]) -> None:
         at = {s: curve[s] for s in steps if s % 200 == 0 or s == steps[-1]}
         rows.append((allocator, at, time.time() - t0))
     marks = sorted(set().union(*(r[1] for r in rows)))
-    title = (f"Resident memory (GB) of an IMDB fit, `python train.py {cmd_shown}` with MHALAB_ALLOCATOR=mimalloc "
+    title = (f"Resident memory (GiB) of an IMDB fit, `python train.py {cmd_shown}` with MHALAB_ALLOCATOR=mimalloc "
              f"(the default) and =system (glibc's malloc), one after the other, nothing else running "
              f"(`python scripts/memory_curve.py fit steps={a['steps']} allocators={a['allocators']}`)")
     lines = [title, "",
