@@ -408,3 +408,21 @@ def test_quote_paths_quotes_only_path_values_that_hold_an_equals_sign():
             "input='a=b'", "runs=[a,b]", "seed=0,1", "tags=[a=b]"]
     assert quote_paths(argv) == ["ckpt_path='multirun/x/data=trec,seed=0'", "+init_from='a/b=1'", "heads=4",
                                  "runs=multirun/x", "input='a=b'", "runs=[a,b]", "seed=0,1", "tags=[a=b]"]
+
+
+def test_check_machine_counts_the_gpus_a_trainer_asks_for(monkeypatch):
+    """The GPU-count branch of the machine check (this machine has no GPU: the cases above take the other)."""
+    from mhalab.errors import ConfigError
+    from mhalab.train.config import check_machine
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    for ok in ({"accelerator": "gpu", "devices": 2}, {"accelerator": "gpu", "devices": -1},
+               {"accelerator": "gpu", "devices": [0, 1]}, {"accelerator": "cpu", "devices": 8},
+               {"accelerator": "gpu", "devices": "auto"}):
+        check_machine(ok)
+    for devices, wanted in ((4, 4), ("3", 3), ([0, 1, 2], 3)):
+        with pytest.raises(ConfigError) as e:
+            check_machine({"accelerator": "gpu", "devices": devices, "strategy": "ddp"})
+        assert str(e.value) == (f"trainer.devices={devices} asks for {wanted} GPUs and this machine has 2; set "
+                                f"trainer.devices=2 (or -1: all of them).")
