@@ -250,13 +250,8 @@ class MemoryMonitor(L.Callback):
     """The process's memory as a training curve, logged with the loss (every trainer.log_every_n_steps): on CPU
     perf/rss_mb, the resident set; on CUDA perf/cuda_allocated_mb and perf/cuda_reserved_mb, what tensors hold and
     what the caching allocator keeps (reserved far above allocated: fragmentation by varying shapes). A run whose
-    memory grows step after step shows it here before the kernel's OOM killer ends it. Also `allocator`, the
-    malloc the process runs on (mhalab.train.allocator), in the run's hyperparameters."""
-
-    def on_fit_start(self, trainer, pl_module):
-        for lg in trainer.loggers:
-            lg.log_hyperparams({"allocator": os.environ.get("MHALAB_ALLOCATOR", "system")
-                                if os.environ.get("LD_PRELOAD") else "system"})
+    memory grows step after step shows it here before the kernel's OOM killer ends it. (Which malloc the process
+    runs on, mhalab.train.allocator, is in metrics.json's provenance.)"""
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if pl_module.device.type == "cuda":
