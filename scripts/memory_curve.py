@@ -15,24 +15,37 @@ and writes the table: RSS at steps 200, 400, ... and the last, the growth from s
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+
+from mhalab.analysis.options import doc, parse
+from mhalab.errors import ConfigError, one_line_errors
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _args(argv: list[str], **defaults):
-    out = dict(defaults)
-    for a in argv:
-        key, _, value = a.partition("=")
-        if key not in out:
-            sys.exit(f"error: unknown option {key!r}; options: {', '.join(out)}")
-        out[key] = type(defaults[key])(value)
-    return out
+@dataclass
+class LoopConfig:
+    steps: int = field(default=300, metadata=doc("training steps"))
+    every: int = field(default=25, metadata=doc("print the RSS every this many steps"))
+    dim: int = field(default=128, metadata=doc("model width (4 heads, ff 4 x dim)"))
+    layers: int = field(default=2, metadata=doc("encoder layers"))
+    batch: int = field(default=32, metadata=doc("sequences per batch"))
+    seed: int = field(default=0, metadata=doc("seed of the weights and the length draws"))
+
+
+@dataclass
+class FitConfig:
+    steps: int = field(default=1400, metadata=doc("trainer.max_steps of each IMDB run"))
+    out: str = field(default="results/memory.md", metadata=doc("write the markdown table here"))
+    data_dir: str = field(default="", metadata=doc("paths.data_dir (empty: the run's default)"))
+    allocators: str = field(default="mimalloc,system", metadata=doc("MHALAB_ALLOCATOR of each run, in order"))
 
 
 def loop(argv: list[str]) -> None:
@@ -44,7 +57,7 @@ def loop(argv: list[str]) -> None:
     from mhalab.nn.varlen import SeqLens
     from mhalab.train.memory import current_rss_mb
 
-    a = _args(argv, steps=300, every=25, dim=128, layers=2, batch=32, seed=0)
+    a = dataclasses.asdict(parse(LoopConfig, argv, "python scripts/memory_curve.py loop", __doc__))
     torch.set_num_threads(1)
     torch.manual_seed(a["seed"])
     rng = np.random.default_rng(a["seed"])
@@ -74,7 +87,7 @@ def _rss_curve(run: Path) -> dict[int, float]:
 
 
 def fit(argv: list[str]) -> None:
-    a = _args(argv, steps=1400, out="results/memory.md", data_dir="", allocators="mimalloc,system")
+    a = dataclasses.asdict(parse(FitConfig, argv, "python scripts/memory_curve.py fit", __doc__))
     rows, cmd_shown = [], None
     for allocator in a["allocators"].split(","):
         run = REPO / "outputs" / f"memory-{allocator}"
@@ -105,6 +118,13 @@ def fit(argv: list[str]) -> None:
     Path(a["out"]).write_text(text)
 
 
+@one_line_errors
+def main(argv: list[str]) -> None:
+    mode, *rest = argv or ["loop"]
+    if mode not in ("loop", "fit"):
+        raise ConfigError(f"unknown mode {mode!r}: python scripts/memory_curve.py loop|fit [key=value ...]")
+    {"loop": loop, "fit": fit}[mode](rest)
+
+
 if __name__ == "__main__":
-    mode, *rest = sys.argv[1:] or ["loop"]
-    {"loop": loop, "fit": fit}.get(mode, lambda _: sys.exit(f"error: unknown mode {mode!r}; use loop or fit"))(rest)
+    sys.exit(main(sys.argv[1:]))

@@ -19,6 +19,8 @@ import os
 import sys
 from pathlib import Path
 
+from mhalab.errors import ConfigError
+
 ENV = "MHALAB_ALLOCATOR"  # mimalloc (default) | system
 
 
@@ -40,8 +42,6 @@ def preload_env(env: dict[str, str] | None = None) -> dict[str, str] | None:
     env = dict(os.environ if env is None else env)
     choice = env.get(ENV, "mimalloc")
     if choice not in ("mimalloc", "system"):
-        from mhalab.errors import ConfigError
-
         raise ConfigError(f"{ENV}={choice!r}: choose mimalloc (the default) or system (glibc's malloc).")
     if choice == "system" or env.get("LD_PRELOAD"):
         return None
