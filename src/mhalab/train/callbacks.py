@@ -28,21 +28,28 @@ log = logging.getLogger("mhalab")
 class GracefulStop(L.Callback):
     """Ctrl-C and SIGTERM stop training between batches and save `last.ckpt` there: a resume is exact.
 
-    Lightning turns SIGTERM (a cluster's pre-emption) into SIGTERMException once the batch under way has
-    finished and been logged. A Ctrl-C would raise KeyboardInterrupt wherever it lands, mid-batch, and a
-    checkpoint saved then sits between two states (a resumed run ended 1-2 points off). So while training,
-    a Ctrl-C only sets a flag, and the stop is handed to that same SIGTERM path at the next batch's end,
-    or, when a validation follows that batch, at the validation's end: Lightning resumes a run stopped
-    inside a validation without finishing it (that epoch's val metrics and best checkpoint would be
-    missing), so a SIGTERM that lands inside one saves nothing and the run resumes, exactly, from the
-    last checkpoint on disk (every epoch and every N steps). A second Ctrl-C stops at once, unsaved.
+    While training, both signals only set a flag: a signal handler that did more could land anywhere, mid-batch
+    or inside a collective. The ranks agree on the flags (one `reduce_boolean_decision`, a no-op in one process)
+    at points every rank reaches together, so a signal that reached one rank stops them all at the same batch,
+    and there every rank hands the stop to Lightning's own SIGTERM path (its handler, called, not signalled):
+    Lightning raises SIGTERMException once that batch is finished and logged, and `on_exception` saves the
+    whole state. (Lightning's handler broadcasts from rank 0, so it must run on every rank at one point; run by a
+    signal that lands at any moment, it pairs with whatever collective another rank is in, and DDP hangs.)
+    - A Ctrl-C stops at the end of a batch, or, when a validation follows that batch, at the validation's end:
+      Lightning resumes a run stopped inside a validation without finishing it (that epoch's val metrics and best
+      checkpoint would be missing).
+    - A SIGTERM (a cluster's pre-emption, whose grace is short) stops at the end of the batch under way,
+      validation batches included: inside a validation it saves nothing, and the run resumes, exactly, from the
+      last checkpoint on disk (every epoch and every N steps).
+    A second Ctrl-C stops at once, unsaved.
     """
 
     def __init__(self, dirpath: str | Path):
         self.dirpath = Path(dirpath)
         self.ctrl_c = False  # the stop came from the keyboard (the run's record says so)
-        self._sent = False
-        self._previous_handler = None
+        self.sigterm = False
+        self._handed = False
+        self._previous: dict[int, Any] = {}
 
     def _on_sigint(self, signum, frame) -> None:
         if self.ctrl_c:  # the second Ctrl-C
@@ -52,33 +59,48 @@ class GracefulStop(L.Callback):
         log.warning("Ctrl-C: stopping after this batch (or the validation under way) and saving last.ckpt; "
                     "press Ctrl-C again to stop at once")
 
-    def _stop(self) -> None:
-        if self.ctrl_c and not self._sent:
-            self._sent = True
-            os.kill(os.getpid(), signal.SIGTERM)  # Lightning's own graceful stop (its SIGTERM handler)
+    def _on_sigterm(self, signum, frame) -> None:
+        self.sigterm = True
 
     def on_train_start(self, trainer, pl_module):
         if threading.current_thread() is threading.main_thread():  # signals reach the main thread only
-            self._previous_handler = signal.signal(signal.SIGINT, self._on_sigint)
+            for signum, handler in ((signal.SIGINT, self._on_sigint), (signal.SIGTERM, self._on_sigterm)):
+                self._previous[signum] = signal.signal(signum, handler)
+
+    def _stop_if_asked(self, trainer, asked: bool) -> None:
+        """On every rank at once: if any rank was asked to stop, hand the stop to Lightning."""
+        if self._handed or not trainer.strategy.reduce_boolean_decision(asked, all=False):
+            return
+        self._handed = True
+        lightning_handler = self._previous.get(signal.SIGTERM)
+        if not callable(lightning_handler):  # Lightning installed none (not the main thread): stop here
+            raise SIGTERMException
+        lightning_handler(signal.SIGTERM, None)  # sets trainer.received_sigterm; Lightning raises when it may
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if not _validation_follows(trainer, batch_idx):
-            self._stop()
+        self._stop_if_asked(trainer, self.sigterm or self.ctrl_c and not _validation_follows(trainer, batch_idx))
+
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
+        if trainer.state.fn == "fit" and not trainer.sanity_checking:
+            self._stop_if_asked(trainer, self.sigterm)
 
     def on_validation_end(self, trainer, pl_module):
-        if trainer.state.fn == "fit":
-            self._stop()
+        if trainer.state.fn == "fit" and not trainer.sanity_checking:
+            self._stop_if_asked(trainer, self.ctrl_c or self.sigterm)
 
     def on_train_end(self, trainer, pl_module):
         self._restore()
 
     def _restore(self) -> None:
-        if self._previous_handler is not None:
-            signal.signal(signal.SIGINT, self._previous_handler)
-            self._previous_handler = None
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous = {}
 
     def on_exception(self, trainer, pl_module, exception):
-        self._restore()
+        # SIGINT only: a SIGTERM that Lightning's handler forwarded to the other ranks may still be on its way, and
+        # must find ours (a flag); Lightning's teardown puts back the handler from before the fit
+        if signal.SIGINT in self._previous and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, self._previous.pop(signal.SIGINT))
         if not isinstance(exception, SIGTERMException) or trainer.state.fn != "fit":
             return
         if trainer.validating:
@@ -114,23 +136,32 @@ def _numpy_state_from_safe(state: list) -> tuple:
 
 
 class ResumeState(L.Callback):
-    """Save what Lightning does not: the RNG states (dropout masks depend on them).
+    """Save what Lightning does not: every rank's RNG states (dropout masks depend on them).
 
-    The batch sampler's position is saved by the datamodule's own state_dict. With both, a run
-    resumed from a mid-epoch checkpoint sees the same batches and the same dropout masks as the
-    run that was never stopped.
+    Each rank draws its own dropout masks, so each rank's states (torch, CUDA, numpy, python) are gathered
+    into the checkpoint (rank 0 writes it) and each rank restores its own: a DDP run resumed mid-epoch draws
+    what the run never stopped would have drawn. The batch sampler's position is saved by the datamodule's
+    own state_dict; it is one position for all ranks (the sampler deals every rank the same number of
+    batches and the ranks step together), which every save checks. With both, a run resumed from a
+    mid-epoch checkpoint sees the same batches and the same dropout masks as the run that was never stopped.
     """
 
     def state_dict(self):  # Lightning stores a callback's state_dict in the checkpoint
         return {}
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint):
-        checkpoint["resume_state"] = {
+        mine = {
             "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+            "cuda": torch.cuda.get_rng_state(pl_module.device) if pl_module.device.type == "cuda" else None,
             "numpy": _numpy_state_to_safe(np.random.get_state()),
             "python": random.getstate(),
+            "batches": trainer.fit_loop.epoch_loop.batch_progress.current.processed,
         }
+        ranks = _gather(mine)  # Lightning calls this hook on every rank, together
+        if len({r["batches"] for r in ranks}) > 1:  # a bug, not a user's mistake: the sampler deals equal shares
+            raise RuntimeError(f"ranks stand at different batches of the epoch ({[r['batches'] for r in ranks]}): "
+                               f"the checkpoint would not resume every rank where it was")
+        checkpoint["resume_state"] = {"ranks": ranks}
 
     def on_load_checkpoint(self, trainer, pl_module, checkpoint):
         self._pending = checkpoint.get("resume_state")
@@ -139,12 +170,31 @@ class ResumeState(L.Callback):
         st = getattr(self, "_pending", None)
         if not st:
             return
-        torch.set_rng_state(st["torch"])
-        if st["cuda"] is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(st["cuda"])
-        np.random.set_state(_numpy_state_from_safe(st["numpy"]))
-        random.setstate(st["python"])
+        ranks = st.get("ranks", [st])  # checkpoints before 2026-12-04 hold rank 0's states only
+        rank, world = trainer.global_rank, trainer.world_size
+        if len(ranks) != world and rank == 0:
+            log.warning("the checkpoint was saved by %d process(es), resumed with %d: rank r takes rank r mod %d's "
+                        "RNG states, and the batches are dealt anew, so the run goes on, but not as it would have",
+                        len(ranks), world, len(ranks))
+        own = ranks[rank % len(ranks)]
+        torch.set_rng_state(own["torch"])
+        if own["cuda"] is not None and pl_module.device.type == "cuda":
+            if isinstance(own["cuda"], list | tuple):  # older checkpoints: every device's state
+                torch.cuda.set_rng_state_all(own["cuda"])
+            else:
+                torch.cuda.set_rng_state(own["cuda"], pl_module.device)
+        np.random.set_state(_numpy_state_from_safe(own["numpy"]))
+        random.setstate(own["python"])
         self._pending = None
+
+
+def _gather(obj: Any) -> list[Any]:
+    """Every rank's `obj`, in rank order (just [obj] in a single process)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return [obj]
+    out: list[Any] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(out, obj)
+    return out
 
 
 class SimulateSignal(L.Callback):
