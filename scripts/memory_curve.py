@@ -2,6 +2,7 @@
 
     python scripts/memory_curve.py loop [steps=300] [every=25] [dim=128] [layers=2] [batch=32]   # one allocator
     python scripts/memory_curve.py fit [steps=1400] [allocators=mimalloc,system] [out=results/memory.md]  # IMDB
+    python scripts/memory_curve.py parts [steps=200] [data=imdb]   # the baseline, part by part, one process
 
 `loop`: this process trains the default encoder (packed path, as a bucketed run) on random token batches whose
 lengths are drawn like IMDB's (log-normal, 10-512 tokens, 32 a batch), a fresh length draw every step, with no
@@ -11,6 +12,10 @@ both ways.
 `fit`: `mhalab-train data=imdb ++trainer.max_steps=<steps>` (one thread, no test), with each allocator named (mimalloc,
 the default; system, glibc's malloc), one after the other; reads each run's perf/rss_mb curve (MemoryMonitor)
 and writes the table: RSS at steps 200, 400, ... and the last, the growth from step 200, and the wall time.
+`parts`: where a run's resident memory goes, in one process under mimalloc (as mhalab-train runs): RSS after the
+imports, after the data (tokenizer and encoded splits, from the cache), after the model, after the first training
+step (gradients, AdamW's two moments, the first activations) and after `steps` steps of a Lightning fit (the
+activations of the longest batches, which the allocator keeps for reuse), each beside the bytes it must hold.
 """
 
 from __future__ import annotations
@@ -46,6 +51,57 @@ class FitConfig:
     out: str = field(default="results/memory.md", metadata=doc("write the markdown table here"))
     data_dir: str = field(default="", metadata=doc("paths.data_dir (empty: the run's default)"))
     allocators: str = field(default="mimalloc,system", metadata=doc("MHALAB_ALLOCATOR of each run, in order"))
+
+
+@dataclass
+class PartsConfig:
+    steps: int = field(default=200, metadata=doc("training steps of the fit (the default run's settings)"))
+    data: str = field(default="imdb", metadata=doc("the data set (its cache is built first if missing)"))
+
+
+def parts(argv: list[str]) -> None:
+    from mhalab.train.allocator import reexec_with_allocator
+
+    a = dataclasses.asdict(parse(PartsConfig, argv, "python scripts/memory_curve.py parts", __doc__))
+    reexec_with_allocator()  # as mhalab-train: the process starts again with mimalloc preloaded
+    from mhalab.train.memory import current_rss_mb
+
+    rows = [("python", current_rss_mb(), "")]
+    import lightning as L
+    import torch
+    from hydra import compose, initialize_config_dir
+    from omegaconf import open_dict
+
+    from mhalab.train.config import CONF_DIR
+    from mhalab.train.run import build
+
+    rows.append(("imports (torch, lightning, hydra, mhalab)", current_rss_mb(), ""))
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("train", overrides=[f"data={a['data']}", "num_threads=1", "trainer=cpu"])
+    with open_dict(cfg):
+        cfg.pop("hydra", None)
+    dm, module = build(cfg)  # the run's own builder: the data (tokenizer, encoded splits from the cache), the model
+    held = sum(t.nbytes for sp in dm.splits.values() for t in vars(sp).values() if isinstance(t, torch.Tensor))
+    params = sum(p.numel() for p in module.parameters())
+    rows.append(("data and model (build: tokenizer, encoded splits, weights)", current_rss_mb(),
+                 f"ids, lengths, labels: {held / 2**20:.0f} MB; {params / 1e6:.2f} M weights: {params * 4 / 2**20:.0f} MB"))
+
+    class Mark(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if trainer.global_step == 1:
+                rows.append(("first step (grads, AdamW moments, activations)", current_rss_mb(),
+                             f"grads + 2 moments: {3 * params * 4 / 2**20:.0f} MB"))
+
+    trainer = L.Trainer(max_steps=a["steps"], accelerator="cpu", logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                        num_sanity_val_steps=0, use_distributed_sampler=False, callbacks=[Mark()])
+    trainer.fit(module, dm)
+    rows.append((f"after {a['steps']} steps (the longest batches' activations, kept for reuse)", current_rss_mb(), ""))
+    lines = [f"| part ({a['data']}, default model, one thread, mimalloc) | RSS after (MB) | added (MB) | held |",
+             "|---|---|---|---|"]
+    for (name, rss, note), prev in zip(rows, [0.0, *[r[1] for r in rows]], strict=False):
+        lines.append(f"| {name} | {rss:.0f} | {rss - prev:+.0f} | {note} |")
+    print("\n".join(lines))
 
 
 def loop(argv: list[str]) -> None:
@@ -121,9 +177,9 @@ def fit(argv: list[str]) -> None:
 @one_line_errors
 def main(argv: list[str]) -> None:
     mode, *rest = argv or ["loop"]
-    if mode not in ("loop", "fit"):
-        raise ConfigError(f"unknown mode {mode!r}: python scripts/memory_curve.py loop|fit [key=value ...]")
-    {"loop": loop, "fit": fit}[mode](rest)
+    if mode not in ("loop", "fit", "parts"):
+        raise ConfigError(f"unknown mode {mode!r}: python scripts/memory_curve.py loop|fit|parts [key=value ...]")
+    {"loop": loop, "fit": fit, "parts": parts}[mode](rest)
 
 
 if __name__ == "__main__":

@@ -204,7 +204,7 @@ CASES = [
          "pretrain.mask_prob=0 must be in (0, 1), e.g. 0.15."),
 ]
 # ---------------------------------------------------------------- the wrong machine (this one has no GPU): refused
-# before Hydra makes the run dir (MACHINE cases also assert that no run dir is left)
+# before Hydra makes the run dir (so are a single run's own config and data checks: no case leaves a run dir)
 NO_GPU = "trainer.accelerator=gpu needs a CUDA GPU and this machine has none; use {}, or run where " \
          "torch.cuda.is_available()."
 MACHINE = [
@@ -376,7 +376,9 @@ def test_user_error_is_one_line_and_exit_2(case, outcomes, tmp):
     lines = [line for line in p.stderr.splitlines() if line.strip()]
     assert lines and lines[-1] == "error: " + _fill(case.message, tmp), _show(p)
     assert sum(line.startswith("error:") for line in lines) == 1, _show(p)
-    if case in MACHINE:  # refused before Hydra made a run dir (or a sweep dir)
+    if case in MACHINE or case.script == "train.py" and case.run_dir is None and "-m" not in case.args:
+        # a refused run leaves nothing behind: refused before Hydra made a run dir (or a sweep dir), or its new
+        # run dir removed
         left = [p for p in (tmp / case.id).glob("*") if p.name != "cache"]
         assert not left, f"a refused run left {left}" + _show(p)
     if case.script == "train.py":  # it failed before the expensive work

@@ -3,7 +3,8 @@
 Every case runs `python train.py` as a user would (a subprocess) on the toy data set, and compares with
 one uninterrupted run of the same command: an interrupted run, re-run with the same command, must end
 with the same numbers (to 1e-6), the same log (logs/metrics.csv, every row once) and the same count of
-trained tokens, and its record must say what happened to each attempt.
+trained tokens, and its record must say what happened to each attempt. Two processes (`trainer=ddp_cpu`) and two
+processes started as two nodes (`trainer.num_nodes=2`, a cluster's environment) must resume the same way.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -79,9 +81,9 @@ def straight(tmp_path_factory, toy_data_dir) -> Path:
     return out
 
 
-def _assert_same_run(a: Path, b: Path) -> None:
+def _assert_same_run(a: Path, b: Path, steps: int = 50) -> None:
     ra, rb = _rec(a), _rec(b)
-    assert rb["status"] == "finished" and ra["global_step"] == rb["global_step"] == 50
+    assert rb["status"] == "finished" and ra["global_step"] == rb["global_step"] == steps
     for key in ("val/loss", "val/acc"):
         last_a, last_b = ra["last_epoch"], rb["last_epoch"]
         assert abs(last_a[key] - last_b[key]) < 1e-6, (key, last_a, last_b)
@@ -185,6 +187,77 @@ def test_two_runs_started_at_once_into_one_dir_one_runs_the_other_is_refused(tmp
     assert _rec(out)["status"] == "finished" and len(_rec(out)["attempts"]) == 1
 
 
+@pytest.fixture(scope="module")
+def ddp_straight(tmp_path_factory, toy_data_dir) -> Path:
+    """An uninterrupted run of two processes (trainer=ddp_cpu: Lightning starts rank 1, gloo)."""
+    out = tmp_path_factory.mktemp("ddp") / "straight"
+    proc = _run(out, toy_data_dir, "trainer=ddp_cpu")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
+def test_ddp_run_preempted_mid_epoch_resumes_every_rank_equal_to_the_uninterrupted_one(
+        ddp_straight, tmp_path, toy_data_dir):
+    """Each rank draws its own dropout masks, so each rank's RNG states are saved and restored as its own; the
+    pre-emption reaches rank 0 only, and both ranks stop at the same batch."""
+    out = tmp_path / "run"
+    proc = _run(out, toy_data_dir, "trainer=ddp_cpu", "debug=preempt", "callbacks.preempt.at_step=7")
+    assert proc.returncode == 143 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    saved = torch.load(out / "checkpoints" / "last.ckpt", weights_only=True)
+    assert saved["global_step"] == 7  # mid-epoch: 12 steps an epoch on each of the 2 ranks
+    ranks = saved["resume_state"]["ranks"]
+    assert len(ranks) == 2 and not torch.equal(ranks[0]["torch"], ranks[1]["torch"])  # two states, not one twice
+    proc = _run(out, toy_data_dir, "trainer=ddp_cpu")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    # with rank 0's states restored on both ranks (the code before), the val loss ended 1.2e-3 off
+    _assert_same_run(ddp_straight, out, steps=24)
+    assert [a["from_step"] for a in _rec(out)["attempts"]] == [0, 7]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _two_nodes(out: Path, data: Path, *extra: str) -> list[subprocess.CompletedProcess]:
+    """The command started twice, as a cluster's launcher starts it on two nodes of one process each."""
+    port, procs = _free_port(), []
+    for node in (0, 1):
+        env = dict(ENV, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NODE_RANK=str(node), WORLD_SIZE="2")
+        procs.append(subprocess.Popen(_cmd(out, data, "trainer=ddp_cpu", "trainer.devices=1", "trainer.num_nodes=2",
+                                           *extra), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outputs = [p.communicate(timeout=600) for p in procs]
+    return [subprocess.CompletedProcess(p.args, p.returncode, *o) for p, o in zip(procs, outputs, strict=True)]
+
+
+def test_two_nodes_on_one_machine_train_are_preempted_and_resume_equal_to_two_local_processes(
+        ddp_straight, tmp_path, toy_data_dir):
+    """num_nodes=2 with the environment a cluster sets (MASTER_ADDR/PORT, NODE_RANK, WORLD_SIZE): node 1 shares
+    node 0's run dir, waits for node 0's attempt, and resumes what node 0 resumes. Two nodes of one process are
+    the same ranks as two local processes, so the numbers must be those of the local run."""
+    out = tmp_path / "run"
+    first = _two_nodes(out, toy_data_dir, "debug=preempt", "callbacks.preempt.at_step=7")
+    assert first[0].returncode == 143, first[0].stderr[-3000:]
+    assert first[1].returncode == 0 and "Traceback" not in first[1].stderr, first[1].stderr[-3000:]
+    assert torch.load(out / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 7
+    again = _two_nodes(out, toy_data_dir)
+    assert [p.returncode for p in again] == [0, 0], again[0].stderr[-2000:] + again[1].stderr[-2000:]
+    _assert_same_run(ddp_straight, out, steps=24)
+    assert [a["from_step"] for a in _rec(out)["attempts"]] == [0, 7]
+    assert (out / "train_node_1.log").exists() and "Initializing distributed: GLOBAL_RANK: 1, MEMBER: 2/2" in (
+        out / "train_node_1.log").read_text() + again[1].stderr  # node 1 logged beside node 0, into its own file
+
+
+def test_two_nodes_need_one_run_dir_named_on_the_command_line(tmp_path):
+    proc = subprocess.run([sys.executable, str(REPO / "train.py"), "trainer=ddp_cpu", "trainer.num_nodes=2"],
+                          cwd=tmp_path, env=ENV, capture_output=True, text=True, check=False, timeout=300)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1] == (
+        "error: trainer.num_nodes=2: every node runs this command and all of them write into one run dir; pass the "
+        "same hydra.run.dir=<a dir every node sees> on each node.")
+    assert not (tmp_path / "outputs").exists()
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run the command as another user (CI runs as root)")
 def test_a_run_dir_that_cannot_be_written_is_one_line(toy_data_dir):
     # as an unprivileged user (root writes anywhere) into a dir it may read but not write
@@ -193,8 +266,11 @@ def test_a_run_dir_that_cannot_be_written_is_one_line(toy_data_dir):
     ro.mkdir(mode=0o555)
     home.mkdir(mode=0o777)
     base.chmod(0o755)
+    data = shutil.copytree(toy_data_dir, base / "data")  # readable by that user, wherever pytest's tmp dir is
+    for p in [data, *data.rglob("*")]:
+        p.chmod(0o755 if p.is_dir() else 0o644)
     nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
-    cmd = [*nobody, *_cmd(ro / "run", toy_data_dir)]
+    cmd = [*nobody, *_cmd(ro / "run", data)]
     # the checkout (its venv, train.py, src/) may sit where another user cannot read it (a clone under a 0700
     # dir): then this test cannot run its command as that user, which says nothing about the code under test
     probe = subprocess.run([*nobody, sys.executable, "-c", f"import mhalab.cli; open({str(REPO / 'train.py')!r})"],

@@ -8,9 +8,11 @@ inside a copy of the checkout so that nothing they write lands in it. What is ap
 - GPU-sized lines (`experiment=article`, `*_gpu`): the CPU, float32, batches of 4 x 32 tokens and one
   layer of the article's width (dim 512, 8 heads, ff 2048): each checkpoint of six would be 230 MB;
 - `make bench`: one short sequence length, one repetition.
-`<run>` and `<sweep>` stand for the run and the sweep the first such commands made. Three lines need
-what CI does not have (GPUs, a SLURM cluster): they are composed (`--cfg job`), not run; the GPU sweep's
-first member trains one batch on CPU in tests/test_config_options.py. `make test` is
+`<run>` and `<sweep>` stand for the run and the sweep the first such commands made. A line that needs a GPU
+(`trainer=ddp`, `trainer=gpu`) runs as typed on a machine without one and must refuse in one line, exit 2,
+writing nothing (on a GPU machine it is composed). Lines that need what CI does not have (a SLURM cluster,
+a GPU's sweep) are composed (`--cfg job`), not run; the GPU sweep's first member trains one batch on CPU in
+tests/test_config_options.py. `make test` is
 the command that runs this suite: CI runs it.
 """
 
@@ -25,6 +27,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from cli_driver import console_scripts
 from conftest import REPO
 
@@ -38,6 +41,8 @@ SWEEP = ["seed=0"]
 ON_CPU = ["trainer.accelerator=cpu", "trainer.precision=32-true", "trainer.devices=1", "batch_size=4",
           "max_len=32", "layers=1"]
 BENCH = "seq_lens=[64] reps=1 warmup=0 memory=false"
+# a GPU line on a machine without one refuses in one line, before anything is read or written
+NEEDS_GPU = ("trainer=ddp ", "trainer=gpu ")
 COMPOSE_ONLY = {"trainer=ddp": "needs GPUs", "hydra/launcher=slurm": "needs a SLURM cluster",
                 "sweep=heads_gpu": "a GPU's sweep (tests/test_config_options.py trains its first member on CPU)"}
 NOT_RUN = {("make", "test"): "this suite itself: CI runs it"}
@@ -158,6 +163,8 @@ def _expand(words: list[str], state: dict) -> tuple[list[str], str]:
     cmd = _argv(words)
     if not _is_train(words):
         return cmd, "plain"
+    if any(key in f"{line} " for key in NEEDS_GPU) and not torch.cuda.is_available():
+        return [*cmd, *TINY, "hydra.run.dir=outputs/refused"], "refused"
     if any(key in line for key in COMPOSE_ONLY):
         return [*cmd, "--cfg", "job"], "compose"
     sweep = " -m" in f" {line} " or "sweep=" in line or "hparams_search=" in line
@@ -192,6 +199,12 @@ def test_readme_command_runs_as_written(words, checkout):
     proc = subprocess.run(cmd, cwd=checkout["root"], env=env, capture_output=True, text=True, timeout=900,
                           check=False)
     out = proc.stdout + proc.stderr
+    if kind == "refused":
+        assert proc.returncode == 2 and "Traceback" not in out, out[-4000:]
+        assert proc.stderr.strip().splitlines()[-1].startswith("error: trainer.accelerator=gpu needs a CUDA GPU and "
+                                                               "this machine has none; use trainer=ddp_cpu")
+        assert not (checkout["root"] / "outputs" / "refused").exists()  # nothing written
+        return
     assert proc.returncode == 0, f"{' '.join(words)}\n{out[-4000:]}"
     assert "Traceback" not in out, out[-4000:]
     root = checkout["root"]

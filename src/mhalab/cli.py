@@ -7,9 +7,10 @@ prints a user's mistake as one line and exits 2 (mhalab.errors.one_line_errors).
 
 from __future__ import annotations
 
+import os
 import sys
 
-from mhalab.errors import ConfigError, exit_with, one_line_errors
+from mhalab.errors import ConfigError, UserError, exit_with, one_line_errors
 
 # Keys whose values are paths. A sweep member's run dir is named by its overrides (`data=trec,seed=0`: conf/train.yaml,
 # hydra.sweep.subdir), and Hydra's override grammar cannot read an `=` in an unquoted value, so the commands pass such
@@ -29,17 +30,19 @@ def quote_paths(argv: list[str]) -> list[str]:
     return out
 
 
-def check_overrides(config_name: str, argv: list[str]) -> None:
+def check_overrides(config_name: str, argv: list[str], check_run=None) -> None:
     """Compose conf/<config_name>.yaml as the command line's first job would be, before Hydra runs it: an override
     Hydra cannot parse, a key the config lacks or an option a group lacks is one line and exit 2 (Hydra's own
     message is several lines, exit 1). A sweep's first value stands for the sweep (an interval's start), a group's
     every option is composed (model=custom,offical), and so are the keys a sweeper searches (hparams_search=optuna's
     hydra.sweeper.params: a typo there would fail every trial). Flags other than -m (--help, --cfg, ...) are
-    Hydra's business: then nothing is checked here."""
+    Hydra's business: then nothing is checked here. `check_run(cfg)`: a single run's own checks (mhalab-train: its
+    config and data files), so that a refusal comes before Hydra makes the run dir; a sweep's members are checked
+    each in its own run, where a failed member is recorded and the sweep goes on."""
     from hydra import compose, initialize_config_dir
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
-    from omegaconf import OmegaConf
+    from omegaconf import OmegaConf, open_dict
 
     from mhalab.train.config import CONF_DIR, check_machine
 
@@ -85,6 +88,14 @@ def check_overrides(config_name: str, argv: list[str]) -> None:
                 compose_job([*job[:i], option, *job[i + 1:]])
             if cfg.get("trainer") is not None:  # before Hydra makes a run dir: a refusal leaves nothing behind
                 check_machine(OmegaConf.to_container(cfg.trainer, resolve=False))
+            multirun = "-m" in argv or "--multirun" in argv or str(cfg.hydra.mode) == "RunMode.MULTIRUN"
+            if check_run is not None and not multirun:
+                from hydra.core.hydra_config import HydraConfig
+
+                HydraConfig.instance().set_config(cfg)  # the ${hydra:...} values, as in the run
+                with open_dict(cfg):
+                    del cfg["hydra"]
+                check_run(cfg)
         except MissingConfigException as e:
             group, _, name = (e.missing_cfg_file or "").rpartition("/")
             if not (group and e.options):
@@ -92,7 +103,7 @@ def check_overrides(config_name: str, argv: list[str]) -> None:
             exit_with(ConfigError(f"unknown {group} '{name}'; choose one of {', '.join(e.options)}."))
         except ConfigCompositionException as e:
             exit_with(ConfigError(_composition_message(str(e), job, compose_job)))
-        except ConfigError as e:
+        except UserError as e:
             exit_with(e)
 
 
@@ -170,7 +181,12 @@ def train() -> None:
         return run(cfg)
 
     sys.argv[1:] = quote_paths(sys.argv[1:])  # hydra.main reads sys.argv
-    check_overrides("train", sys.argv[1:])
+    node = int(os.environ.get("NODE_RANK") or 0)
+    if node > 0 and "LOCAL_RANK" not in os.environ:  # a cluster's launcher started this command on another node:
+        # it shares node 0's run dir, so it logs to a file of its own and leaves node 0's .hydra/ alone (as the
+        # processes Lightning starts for a node's other devices do)
+        sys.argv += [f"hydra.job.name=train_node_{node}", "hydra.output_subdir=null"]
+    check_overrides("train", sys.argv[1:], check_run=config.validate)
     main()
 
 

@@ -121,9 +121,9 @@ class TextClassificationDataModule(L.LightningDataModule):
             self.label_names = [str(n) for n in label_names] if label_names else [str(i) for i in range(self.num_classes)]
         self._labels_are_names, self._names_only = bool(label_names), names_only
 
-    def validate(self) -> None:
-        """Checks of the source (data directory, files, header columns, delimiter), before any loading;
-        then, if the cache is not complete, one pass over each csv / json file (gzip stream, encoding)."""
+    def check_paths(self) -> dict[str, Path] | None:
+        """Each split's file, checked to exist (nothing is read): validate()'s first check, and the one a run makes
+        before its run dir exists (mhalab.train.config.validate). None: the data set comes from the Hub."""
         data_dir = resolve_data_dir(self.data_dir)
         if data_dir is None:
             if not self.hub:
@@ -131,9 +131,15 @@ class TextClassificationDataModule(L.LightningDataModule):
                     f"no data directory for '{self.name}': set data.data_dir=/path/to/data or the {DATA_DIR_ENV} "
                     f"environment variable (or data.hub to load from the Hugging Face Hub)."
                 )
-            self._paths = None
+            return None
+        return check_files(self.name, data_dir, self.files)
+
+    def validate(self) -> None:
+        """Checks of the source (data directory, files, header columns, delimiter), before any loading;
+        then, if the cache is not complete, one pass over each csv / json file (gzip stream, encoding)."""
+        self._paths = self.check_paths()
+        if self._paths is None:
             return
-        self._paths = check_files(self.name, data_dir, self.files)
         self._check_columns()
         self._check_streams()
 

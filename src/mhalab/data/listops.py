@@ -226,6 +226,10 @@ class ListOpsDataModule(SubsetDataModule):
     def generate(self) -> Path:
         return generate_listops(self.cache_root / self.name, **self.generator)
 
+    def check_paths(self):
+        # the files are the generator's, written on first use (validate): nothing to check before
+        return None if self.data_dir is None else super().check_paths()
+
     def validate(self) -> None:
         self.data_dir = str(self.generate())
         super().validate()

@@ -89,14 +89,22 @@ class OwnFilesDataModule(TextClassificationDataModule):
                          label_names=label_names, data_dir=None, format=format, delimiter=delimiter, quoting=quoting,
                          dev_split=dev_split, **kwargs)
 
+    def check_paths(self) -> dict[str, Path]:
+        for split, path in self._own_paths.items():
+            try:
+                found = path.is_file()
+            except PermissionError:
+                raise DataError(f"data.files.{split}='{self._typed[split]}' cannot be read (permission denied on "
+                                f"the way to '{path}'); make it readable for this user.") from None
+            if not found:
+                raise DataError(f"data.files.{split}='{self._typed[split]}' does not exist (looked for '{path}'; "
+                                f"relative paths are read from {self._base}); check the path.")
+        return dict(self._own_paths)
+
     def validate(self) -> None:
         """The files exist; then, once, what the config left null is read from the train file: delimiter,
         columns, label set. Then the base checks of every file (columns, gzip stream, encoding)."""
-        for split, path in self._own_paths.items():
-            if not path.is_file():
-                raise DataError(f"data.files.{split}='{self._typed[split]}' does not exist (looked for '{path}'; "
-                                f"relative paths are read from {self._base}); check the path.")
-        self._paths = dict(self._own_paths)
+        self._paths = self.check_paths()
         train, where = self._paths["train"], f"{self.name} train file '{self._paths['train']}'"
         if self.delimiter is None:
             self.delimiter = sniff_delimiter(train, self.encoding)

@@ -46,12 +46,17 @@ def check_files(name: str, data_dir: Path, files: dict[str, str]) -> dict[str, P
         f"put the '{name}' files ({', '.join(files.values())}) there, or point the config at them with "
         f"data.data_dir=/path/to/data or the {DATA_DIR_ENV} environment variable"
     )
-    if not data_dir.is_dir():
-        raise DataError(f"data directory '{data_dir}' does not exist: {how}.")
-    paths = {split: data_dir / rel for split, rel in files.items()}
-    for split, path in paths.items():
-        if not path.is_file():
-            raise DataError(f"{name} {split} file '{path}' does not exist: {how}.")
+    try:
+        if not data_dir.is_dir():
+            raise DataError(f"data directory '{data_dir}' does not exist: {how}.")
+        paths = {split: data_dir / rel for split, rel in files.items()}
+        for split, path in paths.items():
+            if not path.is_file():
+                raise DataError(f"{name} {split} file '{path}' does not exist: {how}.")
+    except PermissionError as e:  # a folder on the way that this user may not enter
+        raise DataError(f"cannot read '{e.filename}' (permission denied) on the way to the '{name}' files; "
+                        f"make it readable for this user, or put the files elsewhere and point data.data_dir at "
+                        f"them.") from None
     return paths
 
 

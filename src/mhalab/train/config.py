@@ -149,6 +149,7 @@ def validate(cfg: DictConfig) -> None:
         _ok(check_decay, _float(cfg, "callbacks.ema.decay"))
 
     t = cfg.trainer  # (what it asks of the machine: check_machine, before Hydra runs, in mhalab.cli)
+    _check_nodes(_int(cfg, "trainer.num_nodes", 1) if t.get("num_nodes") is not None else 1)
     max_steps = _int(cfg, "trainer.max_steps", -1) if t.get("max_steps") is not None else -1
     if max_steps <= 0 and not t.get("fast_dev_run"):
         epochs = _int(cfg, "trainer.max_epochs")
@@ -171,6 +172,7 @@ def validate(cfg: DictConfig) -> None:
         path = checkpoint.resolve(str(cfg.ckpt_path))
         checkpoint.check_fits(path, OmegaConf.to_container(m, resolve=True),
                               OmegaConf.to_container(cfg.data, resolve=True))
+    instantiate(cfg.data).check_paths()  # the datamodule's arguments, then its files: nothing is read yet
 
 
 def check_machine(trainer: DictConfig | dict) -> None:
@@ -193,6 +195,19 @@ def check_machine(trainer: DictConfig | dict) -> None:
     if wanted is not None and wanted > have:
         raise ConfigError(f"trainer.devices={devices} asks for {wanted} GPUs and this machine has {have}; set "
                           f"trainer.devices={have} (or -1: all of them).")
+
+
+def _check_nodes(nodes: int) -> None:
+    """Several nodes run one command each (a cluster's launcher starts them), and every node must write into the
+    same run dir: a run of its own needs hydra.run.dir given (the default names a new dir per process)."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if nodes <= 1 or not HydraConfig.initialized() or HydraConfig.get().mode == RunMode.MULTIRUN:
+        return  # a sweep's member dir is named by the launcher, the same for every task of a job
+    if not any(o.split("=", 1)[0].lstrip("+") == "hydra.run.dir" for o in HydraConfig.get().overrides.hydra):
+        raise ConfigError(f"trainer.num_nodes={nodes}: every node runs this command and all of them write into one "
+                          f"run dir; pass the same hydra.run.dir=<a dir every node sees> on each node.")
 
 
 def _check_pretraining(cfg: DictConfig) -> None:

@@ -78,4 +78,11 @@ def provenance(root_device: torch.device | str | None = None) -> dict:
 
     return {**code_state(source_checkout()), "versions": versions(), **device(root_device),
             "platform": platform.platform(), "argv": list(sys.argv),
-            "allocator": os.environ.get("LD_PRELOAD") or "system"}  # mimalloc's path once the launcher preloaded it
+            "allocator": os.environ.get("LD_PRELOAD") or "system",  # mimalloc's path once the launcher preloaded it
+            "slurm_job_id": slurm_job_id()}
+
+
+def slurm_job_id() -> str | None:
+    """The SLURM job this process runs in (`<array job>_<task>` for an array task, as sacct and squeue show it)."""
+    array = os.environ.get("SLURM_ARRAY_JOB_ID")
+    return f"{array}_{os.environ.get('SLURM_ARRAY_TASK_ID')}" if array else os.environ.get("SLURM_JOB_ID")

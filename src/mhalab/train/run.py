@@ -33,7 +33,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from mhalab.errors import RunDirError, UserError
-from mhalab.train import checkpoint, experiment, pretrain, record
+from mhalab.train import checkpoint, experiment, pretrain, record, rundir
 from mhalab.train.callbacks import GracefulStop, ResumeState
 from mhalab.train.config import instantiate, validate
 from mhalab.train.loggers import finish
@@ -64,6 +64,28 @@ def launch_rank() -> int:
     return int(os.environ.get("NODE_RANK", "0")) + int(os.environ.get("LOCAL_RANK", "0"))
 
 
+def rank_zero_attempt(out: Path, timeout_s: float = 600.0) -> dict | None:
+    """For the other ranks: rank 0's attempt at this run (its `resumed_from` is the checkpoint every rank restores),
+    or None when rank 0 found the run finished (and does nothing). The processes Lightning starts for a node's other
+    devices start after rank 0 has written it; a cluster starts every node's command at once, so those wait for a
+    live rank 0 (its lock held) that has written its attempt (a stale record would resume the wrong state)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            rec = record.read(out) or {}
+        except ValueError:  # being written (atomically, but a shared file system may show it late)
+            rec = {}
+        if rec.get("status") == "finished":
+            return None
+        if rec.get("status") == "running" and rundir.is_live(out):
+            return rec["attempts"][-1]
+        if time.monotonic() > deadline:
+            raise RunDirError(f"rank {launch_rank()}: rank 0 has not started the run in {out} within {timeout_s:.0f} "
+                              f"s; start every node with the same command and the same hydra.run.dir (a directory "
+                              f"every node sees).")
+        time.sleep(0.2)
+
+
 def run(cfg: DictConfig) -> float:
     """Train and test one configuration. Returns the best val/acc (what sweepers optimise)."""
     out = Path(cfg.paths.output_dir)
@@ -73,9 +95,12 @@ def run(cfg: DictConfig) -> float:
         # by the datamodule's state_dict (the sampler skips the batches already trained on; tests/test_data.py)
         warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch")
         if launch_rank() != 0:  # rank 0 holds the run dir, writes its record and decides whether to resume
-            resumed = ((record.read(out) or {}).get("attempts") or [{}])[-1].get("resumed_from")
-            _fit_and_test(cfg, out, {}, GracefulStop(checkpoint.last_checkpoint(out).parent), resumed)
+            attempt = rank_zero_attempt(out)
+            if attempt is not None:
+                _fit_and_test(cfg, out, {}, GracefulStop(checkpoint.last_checkpoint(out).parent),
+                              attempt.get("resumed_from"))
             return math.nan
+        new = not _is_multirun() and rundir.only_hydra_files(out)
         try:
             with RunLock(out):
                 return _run(cfg, out)
@@ -84,6 +109,10 @@ def run(cfg: DictConfig) -> float:
                 raise
             log.error("member skipped: %s", e)  # another process runs it; the sweep goes on
             return float("nan")
+        except UserError:
+            if new and not checkpoint.last_checkpoint(out).parent.exists():  # refused before training began
+                rundir.discard(out)
+            raise
 
 
 def _run(cfg: DictConfig, out: Path) -> float:

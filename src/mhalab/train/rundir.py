@@ -99,3 +99,21 @@ class RunLock:
         os.ftruncate(self._fd, 0)
         os.close(self._fd)  # releases the flock
         self._fd = None
+
+
+HYDRA_FILES = (".hydra", "cli.log")  # what Hydra writes into a run dir before the run starts
+
+
+def only_hydra_files(run_dir: str | Path) -> bool:
+    """Whether the run dir holds nothing but what Hydra wrote for this command (a run that starts here is new)."""
+    d = Path(run_dir)
+    return not d.exists() or all(p.name in HYDRA_FILES or p.name.endswith(".log") and "_ddp_process_" in p.name
+                                 for p in d.iterdir())
+
+
+def discard(run_dir: str | Path) -> None:
+    """Remove a new run's dir after a refusal: a mistake caught before training leaves nothing behind. Only for a
+    dir that held nothing but Hydra's files when the run started (`only_hydra_files`), so all of it is this run's."""
+    import shutil
+
+    shutil.rmtree(run_dir, ignore_errors=True)
