@@ -714,3 +714,15 @@ def test_asking_for_data_before_setup_says_so(tmp_path):
         dm.train_dataloader()
     with pytest.raises(RuntimeError, match=r"the tokenizer exists after prepare_data\(\) and setup\(\)"):
         _ = dm.vocab_size
+
+
+def test_a_split_encoded_in_chunks_holds_the_same_ids_as_encoded_whole():
+    from mhalab.data.collate import EncodedSplit
+
+    ids = [[2, 5, 6, 3], [2, 3], [2, 7, 8, 9, 10, 3], [2, 11, 3]]
+    whole = EncodedSplit.from_lists(ids, [0, 1, 0, 1])
+    chunked = EncodedSplit.from_chunks([ids[:1], [], ids[1:3], ids[3:]], [0, 1, 0, 1])  # an empty chunk too
+    for a, b in ((whole.ids, chunked.ids), (whole.offsets, chunked.offsets), (whole.labels, chunked.labels)):
+        assert torch.equal(a, b)
+    assert chunked.ids.dtype == torch.int32 and [chunked[i][0].tolist() for i in range(4)] == ids
+    assert whole.lengths == chunked.lengths == [4, 2, 6, 3]

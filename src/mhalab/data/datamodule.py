@@ -49,6 +49,7 @@ from mhalab.data.tokenizer import CLS_ID, PAD_ID, encode_texts, load_tokenizer, 
 from mhalab.errors import DataError
 
 log = logging.getLogger(__name__)
+ENCODE_CHUNK = 2048  # texts encoded at a time when the cache is built (EncodedSplit.from_chunks)
 
 __all__ = ["CACHE_DIR_ENV", "CACHE_VERSION", "SPLITS", "TextClassificationDataModule"]
 
@@ -245,7 +246,9 @@ class TextClassificationDataModule(L.LightningDataModule):
         enc_dir.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()
         for split, (texts, labels) in raw.items():
-            encoded = EncodedSplit.from_lists(encode_texts(tokenizer, texts, self.max_len), labels)
+            chunks = (encode_texts(tokenizer, texts[i:i + ENCODE_CHUNK], self.max_len)
+                      for i in range(0, len(texts), ENCODE_CHUNK))
+            encoded = EncodedSplit.from_chunks(chunks, labels)
             write_atomic(enc_dir / f"{split}.pt", functools.partial(torch.save, encoded.state()))
         seconds = time.perf_counter() - t0
         log.info("%s: encoded %d texts (max_len %d) in %.1fs -> %s", self.name,
