@@ -38,7 +38,7 @@ def dry_run(tmp_path_factory):
 def test_dry_run_records_every_part_and_copies_results_to_OUT(dry_run):
     result, tmp, back = dry_run
     assert result["dry_run"] is True and result["failed"] == []
-    assert list(result["parts"]) == ["bundle", "cuda_tests", "bench", "train"]
+    assert list(result["parts"]) == ["bundle", "cuda_tests", "bench", "train", "heads"]
     assert result["parts"]["bundle"]["status"] == "skipped"  # no bundle, every import there
     assert all(p["wall_s"] >= 0 for p in result["parts"].values())
     assert {"gpu_check.json", "gpu_check.md", "train_metrics.json", "cuda_tests.xml"} <= {f.name for f in back.iterdir()}
@@ -149,3 +149,16 @@ def test_wheels_are_the_dependencies_the_bare_machine_lacks():
     assert set(needed) == {"hydra-core", "omegaconf", "antlr4-python3-runtime", "datasets", "dill", "multiprocess",
                            "cmeel-mimalloc", "cmeel"}
     assert needed["antlr4-python3-runtime"].startswith("4.9.")  # hydra-core pins 4.9.*
+
+
+def test_dry_run_heads_part_trains_each_member_and_reports_its_verdicts(dry_run):
+    result, tmp, back = dry_run
+    heads = result["parts"]["heads"]["figures"]
+    assert sorted(heads["members"]) == ["1", "2"]  # the dry run's heads=1,2 at tiny sizes
+    assert all(m["status"] == "finished" and m["global_step"] == 4 for m in heads["members"].values())
+    claims = {v["key"]: v for v in heads["verdicts"]["verdicts"]}
+    # one seed: the report says why it cannot decide, instead of a verdict
+    assert claims["head_dim_min_64"]["verdict"] == "inconclusive" and "fewer than 2 seeds" in claims[
+        "head_dim_min_64"]["reason"]
+    assert "heads_report.md" in {f.name for f in back.iterdir()}
+    assert "| 2 | finished | 4 |" in (tmp / "out" / "gpu_check.md").read_text()

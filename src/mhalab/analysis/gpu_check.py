@@ -15,7 +15,7 @@ but not hydra-core / omegaconf / antlr4 / datasets, no internet and no ../shared
      The bare machine has no .venv: the Makefile target calls $(PY) directly, never our venv.
      .gpu/ plus the tracked tree must stay under the tool's 64 MiB (the bundle is 5.1 MiB).
   3. what comes back (files under $OUT, at most 8): gpu_check.json, gpu_check.md, train_metrics.json,
-     cuda_tests.xml, cuda_tests.log, train.log. The same json/md are written to
+     cuda_tests.xml, train.log, heads_report.md, heads.log. The same json/md are written to
      results/bench/<device-slug>/ on that machine (copy them from $OUT into the checkout to commit).
 
 Dry run, here, before any GPU:  python scripts/gpu_check.py --cpu   (~15 s: tiny sizes, the toy or bundled
@@ -35,8 +35,13 @@ the exit code is 1 if any part failed):
               equal to FlopCounterMode), MFU = TFLOP/s / the device's bf16 dense peak (PEAK_TFLOPS).
               Targets beside the figures (recorded, never raised): MFU >= 40%, ours / official <= 1.0.
   train       `python train.py` (the default run: SST-2, 3 epochs) with trainer=gpu (bf16-mixed) and
-              trainer.max_time=2 min, from the bundled data; its metrics.json read back.
-Time: at most ~7.5 min on one H200 (each subprocess has a time limit; see GPU / CPU below).
+              trainer.max_time=2 min, from the bundled data; its metrics.json read back, and the CUDA
+              caching allocator's reserve against what tensors held over the run (MemoryMonitor's curve).
+  heads       the article's "8 or 16 heads" at its width: `train.py -m sweep=heads_gpu` (dim 512, 6 layers,
+              bf16) with heads 1, 4, 16, one seed, 20 s of training each, then mhalab-report's verdicts
+              (with one seed they say so: no seed noise to measure); each member's dev acc and memory.
+After every part the json and md are written (and copied to $OUT): a time-out loses nothing already measured.
+Time: at most ~10 min on one H200 by the parts' time limits (see GPU / CPU below); never measured on one yet.
 """
 
 from __future__ import annotations
@@ -99,15 +104,24 @@ class Sizes:
     install_timeout: int
     tests_timeout: int
     train_timeout: int
+    heads_overrides: tuple[str, ...] = ()  # the heads claim at the article's width: sweep=heads_gpu, time-boxed
+    heads_timeout: int = 0
 
 
 GPU = Sizes(768, 12, 3072, 4, 512, 16, reps=20, warmup=3,
             train_overrides=("trainer=gpu", "trainer.precision=bf16-mixed", "++trainer.max_time=00:00:02:00"),
-            install_timeout=90, tests_timeout=150, train_timeout=210)
+            install_timeout=90, tests_timeout=150, train_timeout=210,
+            # dim 512, 6 layers, bf16 (gpu_scale), one seed, 20 s of training a member: a first GPU-scale row
+            heads_overrides=("sweep=heads_gpu", "seed=0", "heads=1,4,16", "++trainer.max_time=00:00:00:20",
+                             "test_after_fit=false"), heads_timeout=150)
 CPU = Sizes(64, 2, 256, 2, 64, 4, reps=3, warmup=1,
             train_overrides=("trainer=cpu", "++trainer.max_steps=8", "dim=64", "heads=2", "layers=1",
                              "batch_size=16", "max_len=32", "data.vocab_size=200", "data.min_frequency=1"),
-            install_timeout=60, tests_timeout=60, train_timeout=90)
+            install_timeout=60, tests_timeout=60, train_timeout=90,
+            heads_overrides=("sweep=heads_gpu", "seed=0", "heads=1,2", "trainer=cpu",
+                             "++trainer.max_steps=4", "dim=64", "layers=1", "batch_size=16", "max_len=32",
+                             "data.vocab_size=200", "data.min_frequency=1"),
+            heads_timeout=120)
 
 
 def peak_tflops(device_name: str) -> float | None:
@@ -414,9 +428,52 @@ def part_train(data_dir: Path, work: Path, sizes: Sizes) -> dict:
                "dev_acc": best.get("val/acc"), "test_acc": best.get("test/acc"),
                "tokens_per_s": record.get("tokens_per_s"), "fit_time_s": record.get("fit_time_s"),
                "step_ms": None if not steps else record["fit_time_s"] / steps * 1e3,
-               "peak_mem_mb": record.get("peak_mem_mb"), "params": record.get("params")}
+               "peak_mem_mb": record.get("peak_mem_mb"), "params": record.get("params"), **_memory_curve(run_dir)}
     if record.get("status") != "finished":
         raise PartError(f"the run's status is {record.get('status')}: {record.get('error')}", figures)
+    return figures
+
+
+def _memory_curve(run_dir: Path) -> dict:
+    """The run's CUDA memory over its steps (MemoryMonitor's perf/cuda_allocated_mb and perf/cuda_reserved_mb):
+    the caching allocator's reserve against what tensors hold, which varying batch shapes can fragment."""
+    import pandas as pd
+
+    logs = list(run_dir.glob("logs/metrics.csv"))
+    if not logs:
+        return {}
+    log = pd.read_csv(logs[0])
+    if "perf/cuda_reserved_mb" not in log:
+        return {}
+    rows = log.dropna(subset=["perf/cuda_reserved_mb"])
+    reserved, allocated = rows["perf/cuda_reserved_mb"], rows["perf/cuda_allocated_mb"]
+    return {"cuda_reserved_mb_max": float(reserved.max()), "cuda_allocated_mb_max": float(allocated.max()),
+            "cuda_reserved_over_allocated_last": float(reserved.iloc[-1] / max(allocated.iloc[-1], 1e-9)),
+            "cuda_reserved_mb_first_last": [float(reserved.iloc[0]), float(reserved.iloc[-1])]}
+
+
+def part_heads(data_dir: Path, work: Path, sizes: Sizes) -> dict:
+    """The article's "8 or 16 heads" at its width: `train.py -m sweep=heads_gpu` (heads 1..16 at dim 512), one
+    seed, each member time-boxed, then mhalab-report's verdicts on the sweep dir."""
+    sweep = work / "heads_sweep"
+    cmd = [sys.executable, str(ROOT / "train.py"), "-m", f"paths.data_dir={data_dir}",
+           f"paths.cache_dir={work / 'cache'}", f"hydra.sweep.dir={sweep}", "extras.print_config=false",
+           *sizes.heads_overrides]
+    _run(cmd, sizes.heads_timeout, work / "heads.log")
+    members = {}
+    for rec_path in sorted(sweep.glob("*/metrics.json")):
+        rec = json.loads(rec_path.read_text())
+        heads = rec.get("config", {}).get("model", {}).get("heads")
+        members[str(heads)] = {"status": rec.get("status"), "val_acc": (rec.get("best") or {}).get("val/acc"),
+                               "global_step": rec.get("global_step"), "fit_time_s": rec.get("fit_time_s"),
+                               **_memory_curve(rec_path.parent)}
+    verdicts = json.loads((sweep / "verdicts.json").read_text()) if (sweep / "verdicts.json").exists() else None
+    for name in ("report.md", "verdicts.json"):
+        if (sweep / name).exists():
+            shutil.copy(sweep / name, work / f"heads_{name}")
+    figures = {"overrides": cmd[3:], "members": members, "verdicts": verdicts}
+    if not members or any(m["status"] != "finished" for m in members.values()):
+        raise PartError(f"members not all finished: { {k: m['status'] for k, m in members.items()} }", figures)
     return figures
 
 
@@ -489,18 +546,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: torch {torch.__version__} sees no CUDA device; use --cpu for the dry run.", file=sys.stderr)
         return 2
     work = Path(tempfile.mkdtemp(prefix="gpu_check_"))
-    parts = {"bundle": run_part("bundle", part_bundle, a.bundle, sizes, a.cpu)}
-    device_type = "cpu" if a.cpu else "cuda"
-    env = environment(device_type)
-    data = a.data or (a.bundle / "data" if (a.bundle / "data" / "sst2").is_dir() or not a.cpu
-                      else write_toy_sst2(work / "toy"))
-    parts["cuda_tests"] = run_part("cuda_tests", part_cuda_tests, a.tests, work, sizes, a.cpu)
-    parts["bench"] = run_part("bench", part_bench, device_type, sizes, peak_tflops(env["device_name"]) if not a.cpu
-                              else None)
-    parts["train"] = run_part("train", part_train, data.resolve(), work, sizes)
-    result = {"dry_run": a.cpu, "environment": env, "data": str(data), "parts": parts,
-              "failed": [k for k, v in parts.items() if v["status"] == "failed"],
-              "wall_s": round(time.perf_counter() - t0, 1), "command": " ".join(["gpu_check.py", *(argv or [])])}
     if a.out:
         out = a.out
     elif a.cpu:
@@ -510,14 +555,40 @@ def main(argv: list[str] | None = None) -> int:
 
         out = ROOT / "results" / "bench" / device_name(torch.device("cuda"))
     out.mkdir(parents=True, exist_ok=True)
-    (out / "gpu_check.json").write_text(json.dumps(result, indent=1) + "\n")
-    (out / "gpu_check.md").write_text(markdown(result))
-    back = os.environ.get("OUT")
-    if back:  # the device tool brings back what is here (8 files at most)
-        for f in [out / "gpu_check.json", out / "gpu_check.md"] + [
-                work / n for n in ("train_metrics.json", "cuda_tests.xml", "cuda_tests.log", "train.log")]:
-            if f.exists():
-                shutil.copy(f, Path(back) / f.name)
+    parts: dict[str, dict] = {}
+    device_type = "cpu" if a.cpu else "cuda"
+    result = {"dry_run": a.cpu, "environment": None, "data": None, "parts": parts, "failed": [], "wall_s": None,
+              "command": " ".join(["gpu_check.py", *(argv or [])])}
+
+    def save() -> None:
+        """After every part: a time-out or a crash later loses nothing already measured."""
+        result.update(failed=[k for k, v in parts.items() if v["status"] == "failed"],
+                      wall_s=round(time.perf_counter() - t0, 1))
+        (out / "gpu_check.json").write_text(json.dumps(result, indent=1) + "\n")
+        (out / "gpu_check.md").write_text(markdown(result))
+        back = os.environ.get("OUT")
+        if back:  # the device tool brings back what is here (8 files at most)
+            for f in [out / "gpu_check.json", out / "gpu_check.md"] + [
+                    work / n for n in ("train_metrics.json", "cuda_tests.xml", "train.log", "heads_report.md",
+                                       "heads.log")]:
+                if f.exists():
+                    shutil.copy(f, Path(back) / f.name)
+
+    parts["bundle"] = run_part("bundle", part_bundle, a.bundle, sizes, a.cpu)
+    result["environment"] = environment(device_type)
+    data = a.data or (a.bundle / "data" if (a.bundle / "data" / "sst2").is_dir() or not a.cpu
+                      else write_toy_sst2(work / "toy"))
+    result["data"] = str(data)
+    save()
+    parts["cuda_tests"] = run_part("cuda_tests", part_cuda_tests, a.tests, work, sizes, a.cpu)
+    save()
+    parts["bench"] = run_part("bench", part_bench, device_type, sizes,
+                              peak_tflops(result["environment"]["device_name"]) if not a.cpu else None)
+    save()
+    parts["train"] = run_part("train", part_train, data.resolve(), work, sizes)
+    save()
+    parts["heads"] = run_part("heads", part_heads, data.resolve(), work, sizes)
+    save()
     print(f"[gpu-check] {result['wall_s']} s; failed: {result['failed'] or 'none'}; wrote {out}/gpu_check.json, "
           "gpu_check.md", file=sys.stderr)
     shutil.rmtree(work, ignore_errors=True)
@@ -530,7 +601,8 @@ def _f(x, spec=".3g") -> str:
 
 def markdown(r: dict) -> str:
     """gpu_check.md: the parts, the benchmark table, the targets, the training run."""
-    e = r["environment"]
+    e = r["environment"] or {"device_name": "?", "versions": {"torch": "?"}, "cuda": None, "cudnn": None,
+                              "python": "?"}
     lines = [f"# GPU check{' (CPU dry run)' if r['dry_run'] else ''}: {e['device_name']}", "",
              (f"torch {e['versions']['torch']}, CUDA {e['cuda']}, cuDNN {e['cudnn']}, Python {e['python']}; "
              f"total {r['wall_s']} s; failed parts: {', '.join(r['failed']) or 'none'}"), "",
@@ -539,11 +611,12 @@ def markdown(r: dict) -> str:
     for k, v in r["parts"].items():
         if v["error"]:
             lines += ["", f"{k} error:", "```", v["error"], "```"]
-    t = r["parts"]["cuda_tests"]["figures"]
+    fig = lambda part: r["parts"].get(part, {}).get("figures") or {}  # a part not run yet: none
+    t = fig("cuda_tests")
     if t:
         lines += ["", (f"CUDA tests: {t['ran']} run, {t['passed']} passed, {t['failed']} failed, {t['errors']} errors, "
                       f"{t['skipped']} skipped")]
-    b = r["parts"]["bench"]["figures"]
+    b = fig("bench")
     if b.get("cases"):
         c = b["config"]
         lines += ["", (f"Encoder stack x{c['layers']}, d={c['embed_dim']}, {c['heads']} heads, ff {c['ff_dim']}, "
@@ -557,10 +630,18 @@ def markdown(r: dict) -> str:
         lines += ["", "| target | value | limit | passed |", "|---|---|---|---|"]
         lines += [f"| {x['target']} | {_f(x['value'], '.3f')} | {x['op']} {x['limit']} | {_f(x['passed'], '')} |"
                   for x in b["targets"]]
-    tr = r["parts"]["train"]["figures"]
+    tr = fig("train")
     if tr:
         lines += ["", (f"Training run ({tr.get('precision')}, {tr.get('device_name')}): {tr.get('global_step')} steps, "
                       f"{tr.get('epochs')} epochs in {_f(tr.get('fit_time_s'), '.1f')} s ({_f(tr.get('step_ms'), '.1f')} ms "
                       f"a step, validation included), {_f(tr.get('tokens_per_s'), '.0f')} tokens/s; dev acc "
-                      f"{_f(tr.get('dev_acc'), '.4f')}, test acc {_f(tr.get('test_acc'), '.4f')}")]
+                      f"{_f(tr.get('dev_acc'), '.4f')}, test acc {_f(tr.get('test_acc'), '.4f')}; CUDA memory reserved "
+                      f"/ allocated at the end {_f(tr.get('cuda_reserved_over_allocated_last'), '.2f')}x")]
+    h = fig("heads")
+    if h.get("members"):
+        lines += ["", "Heads at the article's width (`" + " ".join(h["overrides"]) + "`):", "",
+                  "| heads | status | steps | dev acc | reserved / allocated (MB, max) |", "|---|---|---|---|---|"]
+        lines += [f"| {k} | {m['status']} | {m['global_step']} | {_f(m['val_acc'], '.4f')} | "
+                  f"{_f(m.get('cuda_reserved_mb_max'), '.0f')} / {_f(m.get('cuda_allocated_mb_max'), '.0f')} |"
+                  for k, m in sorted(h["members"].items(), key=lambda kv: int(kv[0]))]
     return "\n".join(lines) + "\n"
