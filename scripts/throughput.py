@@ -2,11 +2,14 @@
 for each data.batching: length-bucketed, plain shuffled (padded), and packed (shuffled, back to back).
 
     python scripts/throughput.py [steps=40] [data=[sst2,imdb]] [out=results/bench/throughput.md] [device=cpu]
+    python scripts/throughput.py compile=true modes=[bucketed,packed]   # compile=true's model beside eager
 
 Each mode trains its own copy of the same model (the default custom encoder, same initial weights) on real
 batches from the data set, called as the LightningModule calls it (with the collate's seqlens), timing
 data loading, forward, backward and step. The modes are interleaved, `CHUNK` steps at a time, so that a
-machine's drift spreads over all of them; 5 warm-up steps per mode are not timed.
+machine's drift spreads over all of them; 5 warm-up steps per mode are not timed. compile=true adds, for each
+mode, a copy whose encoder layers are compiled as a compile=true run compiles them (compile_positionwise), in the
+same interleaving; its warm-up (the compilation) is not timed.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ WARMUP, CHUNK = 5, 5
 class _Mode:
     """One batching mode's loader, model and optimizer, stepped a few batches at a time."""
 
-    def __init__(self, data: str, mode: str, device: str):
+    def __init__(self, data: str, mode: str, device: str, compiled: bool = False):
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
             cfg = compose("train", overrides=[f"data={data}", "paths.output_dir=/tmp"])
         kwargs = {k: v for k, v in dict(cfg.data).items() if k != "_target_"}
@@ -45,9 +48,11 @@ class _Mode:
         self.model = SequenceClassifier(dm.vocab_size, dm.num_classes, dim=cfg.dim, heads=cfg.heads,
                                         layers=cfg.layers, ff_dim=cfg.ff_dim, dropout=cfg.dropout,
                                         max_len=SIZES[data]["max_len"]).to(device)
+        if compiled:
+            self.model.compile_positionwise()
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
         self.batches, self.device = iter(dm.train_dataloader()), device
-        self.data, self.mode = data, mode
+        self.data, self.mode, self.compiled = data, mode, compiled
         self.seconds = self.real = self.pads = self.steps = 0
 
     def run(self, steps: int, timed: bool = True) -> None:
@@ -73,13 +78,13 @@ class _Mode:
             self.real, self.pads, self.steps = self.real + real, self.pads + pads, self.steps + steps
 
     def row(self) -> dict:
-        return {"data": self.data, "mode": self.mode, "tokens_per_s": self.real / self.seconds,
+        return {"data": self.data, "mode": self.mode, "compiled": self.compiled, "tokens_per_s": self.real / self.seconds,
                 "padding_fraction": self.pads / (self.real + self.pads), "s_per_step": self.seconds / self.steps}
 
 
-def measure(data: str, steps: int, device: str) -> list[dict]:
-    """Every mode on `data`, interleaved CHUNK steps at a time, `steps` timed steps each."""
-    modes = [_Mode(data, m, device) for m in MODES]
+def measure(data: str, steps: int, device: str, modes: list[str] = MODES, compiled: bool = False) -> list[dict]:
+    """Every mode on `data` (and its compiled copy), interleaved CHUNK steps at a time, `steps` timed steps each."""
+    modes = [_Mode(data, m, device, c) for m in modes for c in ((False, True) if compiled else (False,))]
     for m in modes:
         m.run(WARMUP, timed=False)
     for start in range(0, steps, CHUNK):
@@ -94,25 +99,32 @@ class ThroughputConfig:
     data: list[str] = field(default_factory=lambda: ["sst2", "imdb"], metadata=doc(f"of {sorted(SIZES)}"))
     device: str | None = field(default=None, metadata=doc("cpu | cuda (default: cuda if available)"))
     out: str | None = field(default=None, metadata=doc("write the markdown table here"))
+    modes: list[str] = field(default_factory=lambda: list(MODES), metadata=doc(f"data.batching modes, of {MODES}"))
+    compile: bool = field(default=False, metadata=doc("also time each mode compiled as compile=true compiles it"))
 
 
 @one_line_errors
 def main(argv=None) -> None:
     args = parse(ThroughputConfig, sys.argv[1:] if argv is None else argv, "python scripts/throughput.py", __doc__)
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    bad = [d for d in args.data if d not in SIZES]
-    if bad or not args.data or args.steps < 1:
-        raise ConfigError(f"data={args.data} must list some of {sorted(SIZES)} and steps={args.steps} be >= 1.")
-    rows = [r for d in args.data for r in measure(d, args.steps, args.device)]
+    bad = [d for d in args.data if d not in SIZES] + [m for m in args.modes if m not in MODES]
+    if bad or not args.data or not args.modes or args.steps < 1:
+        raise ConfigError(f"data={args.data} must list some of {sorted(SIZES)}, modes={args.modes} some of "
+                          f"{list(MODES)}, and steps={args.steps} be >= 1.")
+    rows = [r for d in args.data for r in measure(d, args.steps, args.device, args.modes, args.compile)]
     lines = [(f"Training throughput, default custom encoder, {args.device}, {args.steps} steps per mode, "
-              f"interleaved {CHUNK} at a time (`python scripts/throughput.py steps={args.steps}`)"), "",
-             "| data (batch, max_len) | batches | real tokens/s | vs bucketed | padding fraction | s/step |",
-             "|---|---|---|---|---|---|"]
+              f"interleaved {CHUNK} at a time (`python scripts/throughput.py "
+              f"{' '.join(sys.argv[1:] if argv is None else argv) or f'steps={args.steps}'}`)"), "",
+             ("| data (batch, max_len) | batches | compiled | real tokens/s | vs eager | vs bucketed | padding fraction "
+              "| s/step |"), "|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        base = next(b for b in rows if b["data"] == r["data"] and b["mode"] == "bucketed")
+        first = next(b for b in rows if b["data"] == r["data"] and not b["compiled"])
+        eager = next(b for b in rows if b["data"] == r["data"] and b["mode"] == r["mode"] and not b["compiled"])
         size = SIZES[r["data"]]
         lines.append(f"| {r['data']} ({size['batch_size']}, {size['max_len']}) | {r['mode']} | "
-                     f"{r['tokens_per_s']:,.0f} | {r['tokens_per_s'] / base['tokens_per_s']:.2f}x | "
+                     f"{'yes' if r['compiled'] else 'no'} | {r['tokens_per_s']:,.0f} | "
+                     f"{r['tokens_per_s'] / eager['tokens_per_s']:.2f}x | "
+                     f"{r['tokens_per_s'] / first['tokens_per_s']:.2f}x | "
                      f"{100 * r['padding_fraction']:.1f}% | {r['s_per_step']:.3f} |")
     emit("\n".join(lines) + "\n", args.out)
 

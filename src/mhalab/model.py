@@ -221,6 +221,15 @@ class SequenceClassifier(nn.Module):
         self.drop = nn.Dropout(dropout)
         self.head = nn.Linear(dim, num_classes)
 
+    def compile_positionwise(self) -> int:
+        """torch.compile each encoder layer's position-wise half (TransformerEncoderLayer.compile_positionwise: one
+        graph for any batch, attention eager); returns how many layers. PyTorch's layers (model=official) stay
+        eager (0): a whole-layer graph would guard on each batch's lengths."""
+        layers = [m for m in self.modules() if isinstance(m, TransformerEncoderLayer)]
+        for layer in layers:
+            layer.compile_positionwise()
+        return len(layers)
+
     def forward(self, input_ids: Tensor, padding_mask: Tensor | None = None, seqlens: SeqLens | None = None) -> Tensor:
         """Logits (B, C) of a padded batch, input_ids (B, L) with padding_mask (B, L) True at pads (default:
         the pad id's positions); or of a packed one: input_ids (N,), the B sequences back to back, with their

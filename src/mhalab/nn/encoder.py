@@ -175,13 +175,23 @@ class TransformerEncoderLayer(nn.Module):
     def _block(self, x: Tensor, sa) -> Tensor:
         """Residuals, norms and feed-forward around `sa` (self-attention + dropout1). All of it but `sa` is
         position-wise, so x may be padded (B, L, E) or packed (N, E)."""
+        return self._after_attention(x, sa(self.norm1(x) if self.norm_first else x))
+
+    def _after_attention(self, x: Tensor, attended: Tensor) -> Tensor:
+        """Everything after self-attention, all position-wise: the residual (and norm1, post-norm), the
+        feed-forward, dropout2 and its residual (and norm2). `attended` is sa's output."""
         if self.norm_first:
-            x = x + sa(self.norm1(x))
-            x = x + self.dropout2(self._ff(self.norm2(x)))
-        else:
-            x = self.norm1(x + sa(x))
-            x = self.norm2(x + self.dropout2(self._ff(x)))
-        return x
+            x = x + attended
+            return x + self.dropout2(self._ff(self.norm2(x)))
+        x = self.norm1(x + attended)
+        return self.norm2(x + self.dropout2(self._ff(x)))
+
+    def compile_positionwise(self) -> None:
+        """torch.compile the position-wise half (`_after_attention`): one graph for any number of tokens (dynamic
+        shapes), padded or packed. Attention stays eager: its calls are planned per batch from the lengths, which
+        a graph would have to guard on (whole-model compile recompiled every few batches and then failed).
+        Parameters and state_dict keys are unchanged."""
+        self._after_attention = torch.compile(self._after_attention, dynamic=True)
 
     def _ff(self, x: Tensor) -> Tensor:
         """self.ffn(x): Linear -> activation -> Dropout -> Linear. Without autograd (eval, inference) the

@@ -12,6 +12,7 @@ report (mhalab.train.class_report: precision, recall, f1, support, confusion mat
 from __future__ import annotations
 
 import inspect
+import logging
 import math
 import re
 
@@ -31,6 +32,8 @@ from mhalab.model import ATTENTION_OPTIONS, SequenceClassifier
 from mhalab.nn.flops import train_flops
 from mhalab.train.class_report import build_report, default_labels
 from mhalab.train.throughput import batch_tokens
+
+log = logging.getLogger("mhalab")
 
 SCHEDULES = ("cosine", "linear", "constant")  # the lr after warmup (configure_optimizers)
 MAX_LOGGED_CLASSES = 20  # per-class f1 goes to the loggers up to this many classes (class_reports: always)
@@ -93,9 +96,12 @@ class Classifier(L.LightningModule):
                              f"num_classes={num_classes}; give one name per class, or none.")
         self.save_hyperparameters(ignore=["checkpoint_extras"])  # the extras have their own entry, below
         self.model = SequenceClassifier(vocab_size=vocab_size, num_classes=num_classes, pad_id=pad_id, **model)
-        if compile:
-            # in place, so state_dict keys (and checkpoints) are the same with and without compile
-            self.model.compile(dynamic=True)  # dynamic: bucketed batches vary in length
+        if compile:  # in place: state_dict keys (and checkpoints) are the same with and without compile
+            if self.model.compile_positionwise():
+                log.info("compile=true: each encoder layer's position-wise half compiled; attention runs eager "
+                         "(its calls are planned per batch from the lengths)")
+            else:
+                log.warning("compile=true: nothing compiled (model=official: PyTorch's layers run eager)")
         metrics = MetricCollection({
             "acc": MulticlassAccuracy(num_classes, average="micro"),
             "f1": MulticlassF1Score(num_classes, average="macro"),
