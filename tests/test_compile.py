@@ -36,8 +36,8 @@ def test_compile_true_trains_bucketed_and_packed_runs_with_a_bounded_number_of_g
 
 
 def test_compiled_model_keeps_the_eager_models_parameters_and_state_dict_keys():
-    kwargs = dict(model={"dim": 32, "heads": 4, "layers": 1, "ff_dim": 64, "max_len": 16}, vocab_size=50,
-                  num_classes=2)
+    kwargs = {"model": {"dim": 32, "heads": 4, "layers": 1, "ff_dim": 64, "max_len": 16}, "vocab_size": 50,
+              "num_classes": 2}
     torch.manual_seed(0)
     eager = Classifier(**kwargs)
     torch.manual_seed(0)

@@ -22,15 +22,16 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def dry_run(tmp_path_factory):
-    """python scripts/gpu_check.py --cpu on the toy data, no bundle, CUDA tests of tests/test_cuda.py only."""
+    """python scripts/gpu_check.py --cpu on the toy data (SST-2 and IMDB shaped), no bundle, CUDA tests of
+    tests/test_cuda.py only."""
     tmp = tmp_path_factory.mktemp("gpu_check")
     back = tmp / "back"
     back.mkdir()
-    data = gc.write_toy_sst2(tmp / "data")
+    data = gc.write_toy_imdb(gc.write_toy_sst2(tmp / "data"))
     cmd = [sys.executable, "scripts/gpu_check.py", "--cpu", "--out", str(tmp / "out"), "--bundle", str(tmp / "none"),
            "--data", str(data), "--tests", "tests/test_cuda.py"]
     env = dict(os.environ, OUT=str(back), OMP_NUM_THREADS="1")
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, check=False)
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads((tmp / "out" / "gpu_check.json").read_text()), tmp, back
 
@@ -38,7 +39,7 @@ def dry_run(tmp_path_factory):
 def test_dry_run_records_every_part_and_copies_results_to_OUT(dry_run):
     result, tmp, back = dry_run
     assert result["dry_run"] is True and result["failed"] == []
-    assert list(result["parts"]) == ["bundle", "cuda_tests", "bench", "train", "heads"]
+    assert list(result["parts"]) == ["bundle", "cuda_tests", "bench", "train", "imdb", "heads"]
     assert result["parts"]["bundle"]["status"] == "skipped"  # no bundle, every import there
     assert all(p["wall_s"] >= 0 for p in result["parts"].values())
     assert {"gpu_check.json", "gpu_check.md", "train_metrics.json", "cuda_tests.xml"} <= {f.name for f in back.iterdir()}
@@ -162,3 +163,12 @@ def test_dry_run_heads_part_trains_each_member_and_reports_its_verdicts(dry_run)
         "head_dim_min_64"]["reason"]
     assert "heads_report.md" in {f.name for f in back.iterdir()}
     assert "| 2 | finished | 4 |" in (tmp / "out" / "gpu_check.md").read_text()
+
+
+def test_dry_run_imdb_part_pretrains_then_fine_tunes_and_sets_the_bag_of_words_bar_beside(dry_run):
+    result, tmp, _ = dry_run
+    imdb = result["parts"]["imdb"]["figures"]
+    assert imdb["status"] == "finished" and imdb["global_step"] == 4  # fine-tuning steps, after
+    assert imdb["pretrain_steps"] > 0  # masked-LM self-pretraining on the train texts
+    assert 0.0 <= imdb["test_acc"] <= 1.0 and imdb["tfidf_test_acc"] == 0.9058  # results/baselines/imdb.json
+    assert "IMDB at the article's width" in (tmp / "out" / "gpu_check.md").read_text()

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gzip
 import hashlib
 import importlib.metadata as md
 import importlib.util
@@ -106,6 +107,8 @@ class Sizes:
     train_timeout: int
     heads_overrides: tuple[str, ...] = ()  # the heads claim at the article's width: sweep=heads_gpu, time-boxed
     heads_timeout: int = 0
+    imdb_overrides: tuple[str, ...] = ()  # IMDB at the article's width: masked-LM self-pretraining, then fine-tuning
+    imdb_timeout: int = 0
 
 
 GPU = Sizes(768, 12, 3072, 4, 512, 16, reps=20, warmup=3,
@@ -113,7 +116,11 @@ GPU = Sizes(768, 12, 3072, 4, 512, 16, reps=20, warmup=3,
             install_timeout=90, tests_timeout=150, train_timeout=210,
             # dim 512, 6 layers, bf16 (gpu_scale), one seed, 20 s of training a member: a first GPU-scale row
             heads_overrides=("sweep=heads_gpu", "seed=0", "heads=1,4,16", "++trainer.max_time=00:00:00:20",
-                             "test_after_fit=false"), heads_timeout=150)
+                             "test_after_fit=false"), heads_timeout=150,
+            # embed_dim 512, 8 heads, ff 2048 (experiment=article), bf16, reviews of up to 512 tokens
+            imdb_overrides=("data=imdb", "experiment=article", "max_len=512", "batch_size=32", "max_epochs=2",
+                            "pretrain=mlm", "pretrain.epochs=4", "++trainer.max_time=00:00:01:30"),
+            imdb_timeout=210)
 CPU = Sizes(64, 2, 256, 2, 64, 4, reps=3, warmup=1,
             train_overrides=("trainer=cpu", "++trainer.max_steps=8", "dim=64", "heads=2", "layers=1",
                              "batch_size=16", "max_len=32", "data.vocab_size=200", "data.min_frequency=1"),
@@ -121,7 +128,11 @@ CPU = Sizes(64, 2, 256, 2, 64, 4, reps=3, warmup=1,
             heads_overrides=("sweep=heads_gpu", "seed=0", "heads=1,2", "trainer=cpu",
                              "++trainer.max_steps=4", "dim=64", "layers=1", "batch_size=16", "max_len=32",
                              "data.vocab_size=200", "data.min_frequency=1"),
-            heads_timeout=120)
+            heads_timeout=120,
+            imdb_overrides=("data=imdb", "trainer=cpu", "dim=64", "heads=2", "layers=1", "max_len=64",
+                            "batch_size=16", "max_epochs=1", "++trainer.max_steps=4", "pretrain=mlm",
+                            "pretrain.epochs=1", "data.vocab_size=200", "data.min_frequency=1"),
+            imdb_timeout=120)
 
 
 def peak_tflops(device_name: str) -> float | None:
@@ -226,7 +237,8 @@ def _pip(*args: str) -> None:
 
 def build_bundle(dest: Path = BUNDLE, data_src: Path = ROOT.parent / "shared" / "data",
                  train_rows: int | None = None) -> dict:
-    """make gpu-bundle: dest/wheels (downloaded, antlr4 built), dest/data/sst2, dest/MANIFEST.json.
+    """make gpu-bundle: dest/wheels (downloaded, antlr4 built), dest/data/sst2 (and imdb/, the two gzipped JSON
+    lines files as they are), dest/MANIFEST.json.
     The offline install of every wheel is tried here (pip --no-index --target a tmp dir, cp312 tags)."""
     needed = wheels_needed()
     if dest.exists():
@@ -244,6 +256,9 @@ def build_bundle(dest: Path = BUNDLE, data_src: Path = ROOT.parent / "shared" / 
         _pip("install", "-q", "--no-index", "--no-deps", "--find-links", str(wheels), *WHEEL_TAGS,
              "--target", tmp, *map(str, built))
     rows = copy_sst2(data_src, dest / "data", train_rows)
+    imdb = data_src / "imdb"
+    if (imdb / "train.jsonl.gz").is_file() and (imdb / "test.jsonl.gz").is_file():  # 26 MB: the imdb part's data
+        shutil.copytree(imdb, dest / "data" / "imdb", ignore=shutil.ignore_patterns("README*"))
     commit = subprocess.run(["git", "rev-parse", "HEAD"], check=False, cwd=ROOT, capture_output=True, text=True).stdout.strip()
     return write_manifest(dest, {
         "created": time.strftime("%Y-%m-%d %H:%M:%S"), "commit": commit or None,
@@ -452,6 +467,32 @@ def _memory_curve(run_dir: Path) -> dict:
             "cuda_reserved_mb_first_last": [float(reserved.iloc[0]), float(reserved.iloc[-1])]}
 
 
+BASELINES = ROOT / "results" / "baselines"  # mhalab-baseline data=<set>: TF-IDF + logistic regression
+
+
+def part_imdb(data_dir: Path, work: Path, sizes: Sizes) -> dict:
+    """IMDB at the article's width: masked-LM self-pretraining on the train texts, then fine-tuning (time-boxed), its
+    test accuracy beside the bag-of-words bar (recorded, never raised)."""
+    if not (data_dir / "imdb").is_dir():
+        return {"status": "skipped", "reason": f"no imdb/ in {data_dir} (make gpu-bundle copies it)"}
+    run_dir = work / "imdb_run"
+    cmd = [sys.executable, str(ROOT / "train.py"), f"paths.data_dir={data_dir}", f"paths.cache_dir={work / 'cache'}",
+           f"hydra.run.dir={run_dir}", "trainer.enable_progress_bar=false", "callbacks.progress_bar=null",
+           "extras.print_config=false", *sizes.imdb_overrides]
+    _run(cmd, sizes.imdb_timeout, work / "imdb.log")
+    record = json.loads((run_dir / "metrics.json").read_text())
+    best, pre = record.get("best") or {}, record.get("pretrain") or {}
+    figures = {"overrides": cmd[2:], "status": record.get("status"), "global_step": record.get("global_step"),
+               "epochs": record.get("epochs"), "fit_time_s": record.get("fit_time_s"),
+               "pretrain_steps": pre.get("global_step"), "pretrain_final_loss": pre.get("final_loss"),
+               "dev_acc": best.get("val/acc"), "test_acc": best.get("test/acc"),
+               "tfidf_test_acc": json.loads((BASELINES / "imdb.json").read_text())["mean"]["test/acc"],
+               **_memory_curve(run_dir)}
+    if record.get("status") != "finished":
+        raise PartError(f"the run's status is {record.get('status')}: {record.get('error')}", figures)
+    return figures
+
+
 def part_heads(data_dir: Path, work: Path, sizes: Sizes) -> dict:
     """The article's "8 or 16 heads" at its width: `train.py -m sweep=heads_gpu` (heads 1..16 at dim 512), one
     seed, each member time-boxed, then mhalab-report's verdicts on the sweep dir."""
@@ -528,6 +569,20 @@ def write_toy_sst2(root: Path, n: int = 256, seed: int = 0) -> Path:
     return root
 
 
+def write_toy_imdb(root: Path, n: int = 128, seed: int = 0) -> Path:
+    """A learnable IMDB-shaped set (imdb/{train,test}.jsonl.gz, text and label) beside the toy SST-2."""
+    rng = random.Random(seed)
+    words = (["dull", "bad", "boring", "awful"], ["great", "fine", "lovely", "fun"])
+    (root / "imdb").mkdir(parents=True, exist_ok=True)
+    for split, rows in (("train", n), ("test", n // 4)):
+        lines = [json.dumps({"text": " ".join(rng.choice(words[i % 2] + ["the", "film", "was"])
+                                              for _ in range(rng.randint(20, 60))), "label": i % 2})
+                 for i in range(rows)]
+        with gzip.open(root / "imdb" / f"{split}.jsonl.gz", "wt", encoding="utf-8") as f:
+            f.write("\n".join(lines) + "\n")
+    return root
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python scripts/gpu_check.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -569,15 +624,15 @@ def main(argv: list[str] | None = None) -> int:
         back = os.environ.get("OUT")
         if back:  # the device tool brings back what is here (8 files at most)
             for f in [out / "gpu_check.json", out / "gpu_check.md"] + [
-                    work / n for n in ("train_metrics.json", "cuda_tests.xml", "train.log", "heads_report.md",
-                                       "heads.log")]:
+                    work / n for n in ("train_metrics.json", "cuda_tests.xml", "train.log", "imdb.log",
+                                       "heads_report.md", "heads.log")]:
                 if f.exists():
                     shutil.copy(f, Path(back) / f.name)
 
     parts["bundle"] = run_part("bundle", part_bundle, a.bundle, sizes, a.cpu)
     result["environment"] = environment(device_type)
     data = a.data or (a.bundle / "data" if (a.bundle / "data" / "sst2").is_dir() or not a.cpu
-                      else write_toy_sst2(work / "toy"))
+                      else write_toy_imdb(write_toy_sst2(work / "toy")))
     result["data"] = str(data)
     save()
     parts["cuda_tests"] = run_part("cuda_tests", part_cuda_tests, a.tests, work, sizes, a.cpu)
@@ -586,6 +641,8 @@ def main(argv: list[str] | None = None) -> int:
                               peak_tflops(result["environment"]["device_name"]) if not a.cpu else None)
     save()
     parts["train"] = run_part("train", part_train, data.resolve(), work, sizes)
+    save()
+    parts["imdb"] = run_part("imdb", part_imdb, data.resolve(), work, sizes)
     save()
     parts["heads"] = run_part("heads", part_heads, data.resolve(), work, sizes)
     save()
@@ -637,6 +694,12 @@ def markdown(r: dict) -> str:
                       f"a step, validation included), {_f(tr.get('tokens_per_s'), '.0f')} tokens/s; dev acc "
                       f"{_f(tr.get('dev_acc'), '.4f')}, test acc {_f(tr.get('test_acc'), '.4f')}; CUDA memory reserved "
                       f"/ allocated at the end {_f(tr.get('cuda_reserved_over_allocated_last'), '.2f')}x")]
+    im = fig("imdb")
+    if im.get("test_acc") is not None:
+        lines += ["", (f"IMDB at the article's width, masked-LM self-pretraining ({im.get('pretrain_steps')} steps, final "
+                      f"loss {_f(im.get('pretrain_final_loss'), '.3f')}) then {im.get('global_step')} fine-tuning steps: "
+                      f"dev acc {_f(im.get('dev_acc'), '.4f')}, test acc {_f(im.get('test_acc'), '.4f')} (TF-IDF + "
+                      f"logistic regression: {im['tfidf_test_acc']:.3f})")]
     h = fig("heads")
     if h.get("members"):
         lines += ["", "Heads at the article's width (`" + " ".join(h["overrides"]) + "`):", "",
