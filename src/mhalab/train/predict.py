@@ -97,7 +97,9 @@ def probabilities(loaded: checkpoint.Loaded, texts: Sequence[str], batch_size: i
     for start in range(0, len(order), batch_size):
         rows = order[start : start + batch_size]
         batch = collate([(torch.tensor(ids[i]), 0) for i in rows])
-        logits = model(batch["input_ids"].to(device), batch["padding_mask"].to(device))  # (B, C)
+        # seqlens: the lengths as host ints (the collate's), so the model finds its shapes without reading the
+        # mask back from the device, as in training and evaluation
+        logits = model(batch["input_ids"].to(device), batch["padding_mask"].to(device), seqlens=batch["seqlens"])
         if probs is None:
             probs = torch.empty(len(ids), logits.shape[-1])
         probs[rows] = logits.float().softmax(-1).cpu()  # back to the input's order

@@ -50,7 +50,7 @@ class WandbExtras(L.Callback):
         if not self.predictions or len(self._rows) >= self.max_predictions or self._wandb(trainer) is None:
             return
         with torch.no_grad():  # one more forward pass over the logged examples: the table is opt-in
-            probs = pl_module(batch["input_ids"], batch["padding_mask"]).float().softmax(-1)  # (B, C)
+            probs = pl_module(batch["input_ids"], batch["padding_mask"], seqlens=batch["seqlens"]).float().softmax(-1)
         conf, pred = probs.max(-1)
         names = pl_module.label_names  # one name per class (Classifier: the data's, else "0".."K-1")
         tokenizer = getattr(trainer.datamodule, "tokenizer", None) if trainer.datamodule else None
