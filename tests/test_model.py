@@ -147,13 +147,14 @@ def test_custom_yaml_declares_the_block_settings_with_the_kernel_defaults():
     ("model.block_min_scores=-1", "model.block_min_scores=-1 must be an integer >= 1 or null (never)"),
     ("model.block_min_scores=abc", "model.block_min_scores='abc' must be an integer >= 1 or null (never)"),
 ])
-def test_config_validation_refuses_bad_block_settings_in_one_line(override, message, tmp_path):
+def test_config_validation_refuses_bad_block_settings_in_one_line(override, message, tmp_path, toy_data_dir):
     from conftest import compose_train
 
     from mhalab.errors import ConfigError
     from mhalab.train.config import validate
 
-    validate(compose_train(["model.block_min_scores=null", "model.query_block=64"], tmp_path))  # both fine
+    # (validate also checks that the data files exist: the toy set's do)
+    validate(compose_train(["model.block_min_scores=null", "model.query_block=64"], tmp_path, toy_data_dir))
     with pytest.raises(ConfigError) as e:
-        validate(compose_train([override], tmp_path))
+        validate(compose_train([override], tmp_path, toy_data_dir))
     assert str(e.value).startswith(message) and "\n" not in str(e.value)
