@@ -97,8 +97,11 @@ def run(cfg: DictConfig) -> float:
         if launch_rank() != 0:  # rank 0 holds the run dir, writes its record and decides whether to resume
             attempt = rank_zero_attempt(out)
             if attempt is not None:
-                _fit_and_test(cfg, out, {}, GracefulStop(checkpoint.last_checkpoint(out).parent),
-                              attempt.get("resumed_from"))
+                stop = GracefulStop(checkpoint.last_checkpoint(out).parent)
+                try:
+                    _fit_and_test(cfg, out, {}, stop, attempt.get("resumed_from"))
+                except SIGTERMException as e:  # stopped with rank 0 (which saved): its exit status, not 0
+                    raise SystemExit(130 if stop.ctrl_c else 143) from e
             return math.nan
         new = not _is_multirun() and rundir.only_hydra_files(out)
         try:
