@@ -96,11 +96,14 @@ def render(root: Path, margin: float | None = None, baselines: Path | None = Non
     rule = (f"Written by `mhalab-claims {root}` from each sweep's `{RESULTS_CSV}`, with the reports' rule "
             "(mhalab.analysis.report.stats): per-seed means, paired t-test over shared seeds, two-sided at 5%, TOST "
             f"within ±{margin_units(METRIC, margin) * scale:g} point, Holm across a claim's alternatives. Effect = "
-            "claimed − the closest alternative (its best competitor), in points of validation accuracy, with its 95% CI.")
+            "claimed − the closest alternative (its best competitor), in points of validation accuracy, with its 95% CI. "
+            "Detectable = the smallest true effect a two-sided 5% test of that comparison finds with 80% power, from its "
+            "observed seed variance (stats.detectable_effect; before Holm, so a claim with several alternatives needs "
+            "somewhat more): an inconclusive row rules out no effect smaller than that.")
     L = ["# The article's claims, tested", "", rule, "",
-         ("| claim | data set | preset | verdict | effect [95% CI] vs closest alternative | p (Holm) | seeds | "
-          "design | scale |"),
-         "|---|---|---|---|---|---|---|---|---|"]
+         ("| claim | data set | preset | verdict | effect [95% CI] vs closest alternative | detectable (80%) | "
+          "p (Holm) | seeds | design | scale |"),
+         "|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda x: x["order"]):  # stable: data sets and presets stay sorted within a claim
         h = r["headline"]
         eff = "–"
@@ -113,8 +116,9 @@ def render(root: Path, margin: float | None = None, baselines: Path | None = Non
                             *(["averaged over " + ", ".join(averaged)] if averaged else [])]) or "one factor"
         if r["tuned"]:
             design += "; lr tuned per group"
+        detectable = f"{h.detectable * scale:.1f}" if h is not None and finite(h.detectable) else "–"
         L.append(f"| {r['claim']} | {r['data']} | [{r['preset']}]({r['data']}/{r['preset']}/report.md) | "
-                 f"**{r['verdict']}** | {eff} | {p_cell(h)} | {r['seeds']} | {design} | {r['scale']} |")
+                 f"**{r['verdict']}** | {eff} | {detectable} | {p_cell(h)} | {r['seeds']} | {design} | {r['scale']} |")
     L += ["", ("Per sweep: runs, CPU time (the members' wall time summed; two ran at a time on 2 cores), the best "
                "cell (mean over seeds), and the bar a bag of words sets on the same splits (TF-IDF + logistic "
                "regression, `mhalab-baseline data=<set>`):"), "",

@@ -52,7 +52,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
-from scipy import stats
+from scipy import optimize, stats
 
 from mhalab.analysis.report.values import natural_key
 
@@ -61,6 +61,7 @@ ALPHA = 0.05  # level of the two-sided difference test and of the equivalence te
 DEFAULT_MARGIN = 1.0  # the smallest difference that matters, in points of an accuracy-like metric (0.01)
 DEFAULT_MARGIN_OTHER = 0.01  # ... and in units of another metric (a loss)
 MIN_SEEDS = 2  # fewer distinct seeds in a compared group -> no test
+POWER = 0.8  # of the detectable effect stated beside each comparison
 
 SUPPORTED = "supported"
 CONTRADICTED = "contradicted"
@@ -179,6 +180,7 @@ class Comparison:
     p_equivalent: float = math.nan
     p_diff_holm: float = math.nan  # Holm-corrected across the claim's alternatives
     p_equivalent_holm: float = math.nan
+    detectable: float = math.nan  # the smallest true effect this design finds with 80% power (detectable_effect)
     outcome: str = UNCLEAR
 
 
@@ -206,11 +208,33 @@ def compare(claimed: GroupStats, alternative: GroupStats, sign: float, margin: f
         out.p_diff = float(e == 0)
         out.p_equivalent = float(abs(e) >= margin)
         return out
+    out.detectable = detectable_effect(se, df)
     half = stats.t.ppf(1 - ALPHA / 2, df) * se  # the 95% interval
     out.ci_low, out.ci_high = e - half, e + half
     out.p_diff = float(2 * stats.t.sf(abs(e) / se, df))
     out.p_equivalent = float(max(stats.t.sf((e + margin) / se, df), stats.t.cdf((e - margin) / se, df)))
     return out
+
+
+def detectable_effect(se: float, df: float, alpha: float = ALPHA, power: float = POWER) -> float:
+    """The smallest true effect that a two-sided t-test at level `alpha`, with this standard error and these degrees
+    of freedom, detects with probability `power`: the effect d at which the test statistic, noncentral t with
+    noncentrality d / se, falls outside +-t(1 - alpha/2, df) with that probability. With the observed seed
+    variance in `se`, an "inconclusive" reads as "no effect larger than this (at 80% power)" only above it.
+    Checked against simulated paired designs in tests/test_verdict_statistics.py."""
+    if not (se > 0 and df > 0):
+        return math.nan
+    crit = stats.t.ppf(1 - alpha / 2, df)
+
+    def shortfall(d: float) -> float:
+        nc = d / se
+        lower = stats.nct.cdf(-crit, df, nc)  # the wrong-sign rejections: ~0, NaN in scipy when far out
+        return stats.nct.sf(crit, df, nc) + (0.0 if math.isnan(lower) else lower) - power
+
+    high = (crit + stats.norm.ppf(power)) * se  # the normal approximation; few seeds need more
+    while shortfall(high) < 0:
+        high *= 1.5
+    return float(optimize.brentq(shortfall, 0.0, high))
 
 
 def holm(p: list[float]) -> list[float]:
