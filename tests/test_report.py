@@ -29,6 +29,7 @@ from mhalab.analysis.report import (
     training_val_rows,
     write_report,
 )
+from mhalab.analysis.report.stats import detectable_effect
 from mhalab.analysis.sweep_callbacks import ReportCallback
 from mhalab.train import record
 from mhalab.train.config import CONF_DIR
@@ -403,8 +404,10 @@ def test_verdicts_end_to_end(reported: tuple[Path, dict]) -> None:
     half = 4.302652729749464 * 0.01 / math.sqrt(3)
     assert by["heads_8_or_16"]["ci"] == pytest.approx([0.09 - half, 0.09 + half])
     md = res["report_md"].read_text()
+    detectable = detectable_effect(0.01 / math.sqrt(3), 2)  # the same design's 80%-power effect
     assert ("| 8 or 16 heads | **supported** | heads in {8,16}: 81.00 ± 1.00 (seeds=3) | heads=2: 72.00 ± 2.00 "
-            f"(seeds=3) | +9.00 [{100 * (0.09 - half):+.2f}, {100 * (0.09 + half):+.2f}] | paired | 0.004 |") in md
+            f"(seeds=3) | +9.00 [{100 * (0.09 - half):+.2f}, {100 * (0.09 + half):+.2f}] | {100 * detectable:.2f} | "
+            "paired | 0.004 |") in md
     assert "paired t-test" in md and "Holm" in md and "TOST" in md  # the rule is stated
     saved = json.loads(res["verdicts_json"].read_text())
     assert saved["margin"] == 0.01 and [v["verdict"] for v in saved["verdicts"]] == list(res["verdict_by_claim"].values())

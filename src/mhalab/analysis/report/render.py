@@ -156,11 +156,13 @@ def render_markdown(df: pd.DataFrame, summary: pd.DataFrame, verdicts: list[Verd
           "Holm-corrected across the claim's alternatives. **supported**: better than every alternative; "
           "**contradicted**: worse than one; **no practical difference**: better than or within the margin of each; "
           f"**inconclusive**: an interval crosses the margin (or fewer than {MIN_SEEDS} seeds). Effect = claimed − "
-          "alternative (> 0: claimed better) with its two-sided 95% CI. Other swept variables are averaged over "
+          "alternative (> 0: claimed better) with its two-sided 95% CI; detectable = the smallest true effect that "
+          f"comparison finds with 80% power at {ALPHA:g} (from its seed variance; an inconclusive verdict rules out "
+          "no effect below it). Other swept variables are averaged over "
           "(marginal means; 'also varies' flags confounds); a swept lr is tuned per group (its best on "
           "validation)."), ""]
-    vh = ["claim", "verdict", "claimed group", "closest alternative", f"effect{unit} [95% CI]", "test",
-          "p (Holm)", "also varies", "why"]
+    vh = ["claim", "verdict", "claimed group", "closest alternative", f"effect{unit} [95% CI]",
+          f"detectable{unit} (80%)", "test", "p (Holm)", "also varies", "why"]
     L += ["| " + " | ".join(vh) + " |", "|" + "---|" * len(vh)]
 
     def grp(g: GroupStats | None, v: Verdict) -> str:
@@ -174,6 +176,7 @@ def render_markdown(df: pd.DataFrame, summary: pd.DataFrame, verdicts: list[Verd
         L.append("| " + " | ".join([
             v.claim, f"**{v.verdict}**", grp(v.claimed, v), grp(h.alternative if h else None, v),
             f"{h.effect * scale:+.{digits}f} {_ci(h, scale, digits)}" if h and finite(h.effect) else "–",
+            f"{h.detectable * scale:.{digits}f}" if h and finite(h.detectable) else "–",
             h.test if h else "–", p_cell(h),
             ", ".join(f"{x} (confounded)" if x in v.confounded else x for x in v.also_varies) or "–",
             _md(v.reason)]) + " |")
