@@ -430,14 +430,20 @@ def _target(name: str, value: float | None, op: str, limit: float) -> dict:
     return {"target": name, "value": value, "op": op, "limit": limit, "passed": ok}
 
 
+def _train(data_dir: Path, work: Path, run_dir: Path, overrides: tuple[str, ...], timeout: int,
+           log: Path) -> tuple[list[str], dict]:
+    """One `python train.py` run (the real CLI) into run_dir: its command and its metrics.json."""
+    cmd = [sys.executable, str(ROOT / "train.py"), f"paths.data_dir={data_dir}", f"paths.cache_dir={work / 'cache'}",
+           f"hydra.run.dir={run_dir}", "trainer.enable_progress_bar=false", "callbacks.progress_bar=null",
+           "extras.print_config=false", *overrides]
+    _run(cmd, timeout, log)
+    return cmd, json.loads((run_dir / "metrics.json").read_text())
+
+
 def part_train(data_dir: Path, work: Path, sizes: Sizes) -> dict:
     """train.py (the real CLI) on the SST-2 copy; its metrics.json read back."""
     run_dir = work / "train_run"
-    cmd = [sys.executable, str(ROOT / "train.py"), f"paths.data_dir={data_dir}", f"paths.cache_dir={work / 'cache'}",
-           f"hydra.run.dir={run_dir}", "trainer.enable_progress_bar=false", "callbacks.progress_bar=null",
-           "extras.print_config=false", *sizes.train_overrides]
-    _run(cmd, sizes.train_timeout, work / "train.log")
-    record = json.loads((run_dir / "metrics.json").read_text())
+    cmd, record = _train(data_dir, work, run_dir, sizes.train_overrides, sizes.train_timeout, work / "train.log")
     shutil.copy(run_dir / "metrics.json", work / "train_metrics.json")
     best = record.get("best") or {}
     steps = record.get("global_step") or 0
@@ -481,11 +487,7 @@ def part_imdb(data_dir: Path, work: Path, sizes: Sizes) -> dict:
     if not (data_dir / "imdb").is_dir():
         return {"status": "skipped", "reason": f"no imdb/ in {data_dir} (make gpu-bundle copies it)"}
     run_dir = work / "imdb_run"
-    cmd = [sys.executable, str(ROOT / "train.py"), f"paths.data_dir={data_dir}", f"paths.cache_dir={work / 'cache'}",
-           f"hydra.run.dir={run_dir}", "trainer.enable_progress_bar=false", "callbacks.progress_bar=null",
-           "extras.print_config=false", *sizes.imdb_overrides]
-    _run(cmd, sizes.imdb_timeout, work / "imdb.log")
-    record = json.loads((run_dir / "metrics.json").read_text())
+    cmd, record = _train(data_dir, work, run_dir, sizes.imdb_overrides, sizes.imdb_timeout, work / "imdb.log")
     best, pre = record.get("best") or {}, record.get("pretrain") or {}
     figures = {"overrides": cmd[2:], "status": record.get("status"), "global_step": record.get("global_step"),
                "epochs": record.get("epochs"), "fit_time_s": record.get("fit_time_s"),
