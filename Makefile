@@ -10,7 +10,7 @@ BIN       := $(VENV)/bin
 STAMP     := $(VENV)/.installed
 ARGS      ?=
 
-.PHONY: install test test-slow train compare bench sweeps report lint clean-venv
+.PHONY: install test test-slow train compare bench sweeps report lint clean-venv docs
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV_ARGS) $(VENV)
@@ -53,8 +53,11 @@ sweeps: $(STAMP)         ## make sweeps DATA=trec: the CPU presets into multirun
 report: $(STAMP)         ## make report DIR=multirun/<sweep>
 	$(BIN)/python scripts/report.py $(DIR)
 
+docs: $(STAMP)           ## the documentation site into site/ (mkdocs.yml; strict: a warning fails, as in CI)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
+
 lint: $(STAMP)
-	$(BIN)/ruff check src scripts tests train.py
+	$(BIN)/ruff check src scripts tests train.py docs/hooks
 
 clean-venv:
 	rm -rf $(VENV)

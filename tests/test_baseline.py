@@ -1,5 +1,5 @@
 """mhalab-baseline: TF-IDF + logistic regression on the training runs' own splits, tuned on validation only.
-(The command itself: the README's `mhalab-baseline` line in tests/test_readme.py, its mistake in test_cli_errors.)"""
+(The command itself: the documented `mhalab-baseline` line in tests/test_doc_commands.py, its mistake in test_cli_errors.)"""
 
 from __future__ import annotations
 

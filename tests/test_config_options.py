@@ -12,7 +12,7 @@ set they pick: SST-2 for the presets, ListOps or byte-level IMDB for sweep=lra*)
 them (no size overrides: compose_train's dim/max_len/batch_size shortcuts would replace the option's own);
 the other groups run on the toy SST-2 through compose_train. hydra/<group> options only compose (launching
 is tests/test_train.py's and the sweep tests' job). The checkout's .cache holds the tokenizers and ids, as for
-`make train`: each real data set is tokenized once, for this file, tests/test_readme.py and the user's runs.
+`make train`: each real data set is tokenized once, for this file, tests/test_doc_commands.py and the user's runs.
 Cost caps (what the option configures stays, see CAPS and _rows): ListOps generates fewer trees of the same
 lengths, byte-level IMDB keeps a stratified subset (its own data.max_examples), and big models / long batches train on
 a few rows of the batch, its longest row included, so the width stays the batch's.
@@ -189,7 +189,7 @@ def _trainer_kwargs(cfg) -> dict:
 @pytest.fixture(scope="module")
 def cache() -> Path:
     # the checkout's own cache, as `make train` uses it: data=imdb's tokenizer and ids (~50 s to build) are
-    # built once for this file, tests/test_readme.py's `python train.py data=imdb` and the user's own runs
+    # built once for this file, tests/test_doc_commands.py's `python train.py data=imdb` and the user's own runs
     return REPO / ".cache"
 
 

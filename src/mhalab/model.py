@@ -164,6 +164,15 @@ def check_model(encoder: str, pooling: str, attention: str, pos: str, head_dim: 
 
 
 class SequenceClassifier(nn.Module):
+    """Token embedding + positions -> encoder stack -> pooling -> dropout -> linear head: logits (B, C).
+
+    encoder="custom" stacks our TransformerEncoderLayer (attention built by name: `attention` full / window /
+    linformer / performer, `pos` sinusoidal / learned / rope / alibi / t5, options in attention_options);
+    encoder="official" is PyTorch's nn.TransformerEncoder with the same shape. pooling: mean over the real
+    tokens, max, or a learned [CLS] vector. head_dim=None gives dim / heads (the article's rule); any other
+    width decouples the heads' width from dim (custom only). The model=custom config holds these arguments.
+    """
+
     def __init__(
         self,
         vocab_size: int,

@@ -68,6 +68,11 @@ class ScaledDotProductAttention(nn.Module):
     def forward(
         self, Q: Tensor, K: Tensor, V: Tensor, mask: Tensor | None = None, need_weights: bool = True
     ) -> tuple[Tensor, Tensor | None]:
+        """softmax(Q K^T / sqrt(d) + mask) V, and the weights (None where need_weights=False).
+
+        Q (..., L_q, d), K and V (..., L_k, d): any leading dims (3-D and 4-D alike). mask: bool (True = blocked) or
+        float (added to the scores), broadcastable to (..., L_q, L_k). A query whose keys are all blocked gets
+        output 0 and zero gradients (PyTorch gives NaN). Returns (..., L_q, d) and the weights (..., L_q, L_k)."""
         # Q: (..., L_q, d)  K, V: (..., L_k, d)  mask: bool/float broadcastable to (..., L_q, L_k)
         if mask is not None and (mask.dtype == torch.bool or mask.dtype != Q.dtype):
             mask = to_additive(mask, "mask", Q.dtype)
@@ -366,6 +371,14 @@ class MultiHeadAttention(nn.MultiheadAttention):
         *,
         unpad: Unpadding | None = None,
     ) -> tuple[Tensor, Tensor | None]:
+        """nn.MultiheadAttention.forward's contract: (output, weights).
+
+        query (B, L, E), key and value (B, S, kdim / vdim): batch-first by default, (L, B, E) with batch_first=False,
+        or unbatched (L, E). key and value default to query (self-attention). key_padding_mask (B, S), attn_mask
+        (L, S) or (B*H, L, S): bool (True = blocked) or float (added). Output has the query's layout; weights are
+        per head (B, H, L, S), or averaged (B, L, S) with average_attn_weights=True (the module's default where
+        none is given), None with need_weights=False. With unpad=Unpadding(...), query is packed self-attention
+        input (N, E) and so is the output."""
         if isinstance(need_weights, Tensor):
             raise TypeError("need_weights got a tensor: the 5th argument is need_weights, as in "
                              "nn.MultiheadAttention (query, key, value, key_padding_mask, need_weights, attn_mask); "

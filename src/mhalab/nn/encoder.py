@@ -32,6 +32,7 @@ class Activation(nn.Module):
         self.fn = fn
 
     def forward(self, x: Tensor) -> Tensor:
+        """The activation, elementwise."""
         return self.fn(x)
 
     def extra_repr(self) -> str:
@@ -288,6 +289,10 @@ class TransformerEncoder(nn.Module):
 
     def forward(self, src: Tensor, mask: Tensor | None = None, src_key_padding_mask: Tensor | None = None,
                 is_causal: bool | None = None) -> Tensor:
+        """src (B, L, E) -> (B, L, E) through every layer and the final norm (if any); (L, B, E) with
+        sequence-first layers, unbatched (L, E) too. mask (L, L) and src_key_padding_mask (B, L) as in
+        nn.TransformerEncoder. Given a bool src_key_padding_mask, the stack runs on the real tokens only: their
+        outputs equal the padded computation's, padded positions come out as 0 (unpad=False: every position)."""
         # src: (B, L, E) -> (B, L, E); (L, B, E) with sequence-first layers; unbatched (L, E)
         seq_first = src.dim() == 3 and not self.layers[0].batch_first
         if is_causal and mask is None:
@@ -339,6 +344,8 @@ class TransformerEncoder(nn.Module):
         return ours.train(enc.training)
 
     def to_official(self) -> nn.TransformerEncoder:
+        """nn.TransformerEncoder with these layers' weights, norm and settings (each layer through
+        TransformerEncoderLayer.to_official, which refuses what PyTorch cannot express)."""
         layers = [lyr.to_official() for lyr in self.layers]
         enc = nn.TransformerEncoder(layers[0], len(layers), norm=copy.deepcopy(self.norm),
                                     enable_nested_tensor=self.enable_nested_tensor, mask_check=self.mask_check)
@@ -373,6 +380,7 @@ class OfficialEncoder(nn.Module):
         )
 
     def forward(self, src: Tensor, mask: Tensor | None = None, src_key_padding_mask: Tensor | None = None) -> Tensor:
+        """nn.TransformerEncoder's forward, as PyTorch computes it: (B, L, E) -> (B, L, E)."""
         return self.encoder(src, mask=mask, src_key_padding_mask=src_key_padding_mask)
 
     @classmethod

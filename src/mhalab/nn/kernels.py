@@ -120,6 +120,9 @@ class WindowAttention(nn.Module):
     def forward(
         self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, need_weights: bool = True
     ) -> tuple[Tensor, Tensor | None]:
+        """q (B, H, L_q, d), k and v (B, H, L_k, d) -> (B, H, L_q, d): each query attends to the keys within the
+        window (and the global tokens); mask as ScaledDotProductAttention's. Weights (B, H, L_q, L_k) where asked
+        and the banded path is not taken."""
         mask = _additive(mask, q.dtype)
         if self._use_chunked(q, k, mask, need_weights):
             return self._chunked(q, k, v, mask), None
@@ -216,6 +219,9 @@ class LinformerAttention(nn.Module):
     def forward(
         self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, need_weights: bool = True
     ) -> tuple[Tensor, None]:
+        """q (B, H, L_q, d), k and v (B, H, L_k, d) -> (B, H, L_q, d): keys and values projected along the
+        sequence to k rows by E and F (Wang et al. 2020), then softmax attention; a key-only mask zeroes the padded
+        keys before the projection. No weights (None)."""
         L_k, d = k.size(-2), q.size(-1)
         if L_k > self.max_len:
             raise ValueError(f"sequence length {L_k} exceeds linformer max_len {self.max_len}.")
@@ -285,6 +291,7 @@ class PerformerAttention(nn.Module):
 
     @torch.no_grad()
     def redraw(self, generator: torch.Generator | None = None) -> None:
+        """Draw new orthogonal random features (m, d) in place (the paper redraws them during training)."""
         W = orthogonal_gaussian(self.num_features, self.head_dim, generator)
         self.features.copy_(W.to(self.features.device))
 
@@ -295,6 +302,9 @@ class PerformerAttention(nn.Module):
     def forward(
         self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, need_weights: bool = True
     ) -> tuple[Tensor, None]:
+        """q (B, H, L_q, d), k and v (B, H, L_k, d) -> (B, H, L_q, d): softmax attention approximated in time
+        linear in L by positive orthogonal random features (FAVOR+, Choromanski et al. 2021); a key-only mask drops
+        the padded keys. No weights (None)."""
         if self.training and self.redraw_interval:
             if self._calls % self.redraw_interval == 0 and self._calls > 0:
                 self.redraw()

@@ -43,6 +43,7 @@ class SinusoidalPosition(nn.Module):
         self.max_len = max_len
 
     def forward(self, x: Tensor) -> Tensor:
+        """x (B, L, E) -> x + the encoding of positions 0..L-1 (L <= max_len)."""
         L = x.size(1)
         _check_len(L, self.max_len)
         return x + self.pe[:L].to(x.dtype)
@@ -63,6 +64,7 @@ class LearnedPosition(nn.Module):
         self.max_len = max_len
 
     def forward(self, x: Tensor) -> Tensor:
+        """x (B, L, E) -> x + the learned embeddings of positions 0..L-1 (L <= max_len)."""
         L = x.size(1)
         _check_len(L, self.max_len)
         return x + self.emb.weight[:L].to(x.dtype)
@@ -128,6 +130,8 @@ class RotaryEmbedding(nn.Module):
         return out.flatten(-2).to(x.dtype)  # (..., L, d)
 
     def forward(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
+        """q (B, H, L_q, d) and k (B, H, L_k, d), rotated by their positions 0..L-1 (Su et al. 2021): their dot
+        products then depend on the offset between positions only."""
         # q: (B, H, L_q, d)  k: (B, H, L_k, d); positions 0..L-1 (no device sync: slices, not indexing)
         L_q, L_k = q.size(-2), k.size(-2)
         if max(L_q, L_k) > self.max_len:
@@ -187,6 +191,8 @@ class ALiBi(nn.Module):
         self.register_buffer("slopes", torch.tensor(alibi_slopes(num_heads)), persistent=False)  # (H,)
 
     def forward(self, L_q: int, L_k: int) -> Tensor:
+        """The additive bias (H, L_q, L_k): -slope_h x |i - j| (Press et al. 2022), -inf above the diagonal when
+        causal."""
         i = torch.arange(L_q, device=self.slopes.device).unsqueeze(1)  # (L_q, 1)
         j = torch.arange(L_k, device=self.slopes.device).unsqueeze(0)  # (1, L_k)
         dist = (i - j).float()  # (L_q, L_k), i - j
@@ -255,6 +261,8 @@ class T5RelativeBias(nn.Module):
         nn.init.normal_(self.emb.weight, std=0.02)  # over nn.Embedding's N(0, 1)
 
     def forward(self, L_q: int, L_k: int) -> Tensor:
+        """The additive bias (H, L_q, L_k): a learned scalar per head and bucket of the offset j - i (Raffel et al.
+        2020: exact for short offsets, log-spaced up to max_distance)."""
         dev = self.emb.weight.device
         rel = torch.arange(L_k, device=dev).unsqueeze(0) - torch.arange(L_q, device=dev).unsqueeze(1)  # j - i
         buckets = relative_position_bucket(rel, self.bidirectional, self.num_buckets, self.max_distance)

@@ -118,18 +118,23 @@ class SeqLens:
         return self._cache[key]
 
     def cu_seqlens(self, device) -> Tensor:
+        """(B + 1,) int32: each sequence's first row, and N at the end (FlashAttention's cu_seqlens)."""
         return self._tensor("cu_seqlens", device)  # (B + 1,) int32
 
     def positions(self, device) -> Tensor:
+        """(N,) long: each row's position within its sequence."""
         return self._tensor("positions", device)  # (N,) long
 
     def sequence(self, device) -> Tensor:
+        """(N,) long: each row's sequence."""
         return self._tensor("sequence", device)  # (N,) long
 
     def starts(self, device) -> Tensor:
+        """(B,) long: each sequence's first row."""
         return self._tensor("starts", device)  # (B,) long
 
     def lengths_tensor(self, device) -> Tensor:
+        """(B,) long: the lengths, as a tensor on device."""
         return self._tensor("lengths", device)  # (B,) long
 
     def plan(self, pad_scores: int) -> CallPlan:
@@ -231,6 +236,7 @@ class CallPlan:
         return x if self._real is None else x.index_select(0, self._tensor("real", self._real, x.device))
 
     def key_mask(self, i: int, device) -> Tensor | None:
+        """Call i's key padding mask (count, width), True at pads; None when its sequences fill the width."""
         m = self._masks[i]
         return None if m is None else self._tensor(f"mask{i}", m, device)  # (count, width) True at pads
 

@@ -1,7 +1,9 @@
-"""Every command of README.md runs, as written, with tiny limits appended, on the real data in ../shared/data.
+"""Every command of README.md and of the documentation pages runs, as written, with tiny limits appended, on the
+real data in ../shared/data.
 
-The commands are read from the README's ```bash blocks (a README line that fails fails CI), in order,
-inside a copy of the checkout so that nothing they write lands in it. What is appended, and why:
+The commands are read from the ```bash blocks of README.md and then of the pages in mkdocs.yml's nav order (a
+line that fails fails CI), in that order, each line once (its first place), inside a copy of the checkout so that nothing they
+write lands in it; the measured pages under results/ are records of long runs, not run. What is appended, and why:
 - training runs (`python train.py`, `make train`): 2 batches of train / val / test, 1 epoch, no bar;
 - sweeps (`-m`, `sweep=`, `hparams_search=`): also `seed=0` (one seed per setting) and 2 Optuna trials;
   a sweep a later `mhalab-ensemble runs=` line reads gets `seed=0,1,2` instead (an ensemble of 3 members);
@@ -12,8 +14,9 @@ inside a copy of the checkout so that nothing they write lands in it. What is ap
 (`trainer=ddp`, `trainer=gpu`) runs as typed on a machine without one and must refuse in one line, exit 2,
 writing nothing (on a GPU machine it is composed). Lines that need what CI does not have (a SLURM cluster,
 a GPU's sweep) are composed (`--cfg job`), not run; the GPU sweep's first member trains one batch on CPU in
-tests/test_config_options.py. `make test` is
-the command that runs this suite: CI runs it.
+tests/test_config_options.py. The ```python blocks run as they are (each asserts its result), and each
+`$ mhalab-...` line of a plain ``` block must print the line under it. `make test` is the command that runs this
+suite: CI runs it.
 """
 
 from __future__ import annotations
@@ -28,12 +31,43 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from cli_driver import console_scripts
 from conftest import REPO
 
 from mhalab.train import record
 
 README = REPO / "README.md"
+
+
+def documents() -> list[Path]:
+    """README.md, then the site's pages in mkdocs.yml's nav order (not results/: records of long runs)."""
+    def pages(items) -> list[str]:
+        out = []
+        for item in items:
+            value = next(iter(item.values())) if isinstance(item, dict) else item
+            out += pages(value) if isinstance(value, list) else [value]
+        return out
+    nav = yaml.safe_load((REPO / "mkdocs.yml").read_text())["nav"]
+    return [README, *(REPO / "docs" / p for p in pages(nav) if not p.startswith("results/"))]
+
+
+DOCUMENTS = documents()
+
+
+def blocks(kind: str) -> list[tuple[str, list[str]]]:
+    """(document, its lines) for every ```<kind> block of the documents, in order ("" for plain blocks)."""
+    out = []
+    for doc in DOCUMENTS:
+        block, lines = None, []
+        for line in doc.read_text().splitlines():
+            if line.startswith("```"):
+                if block == kind:
+                    out.append((doc.relative_to(REPO).as_posix(), lines))
+                block, lines = (line[3:].strip(), []) if block is None else (None, [])
+            elif block is not None:
+                lines.append(line)
+    return out
 VENV = Path(sys.executable).parent.parent
 TINY = ["++trainer.limit_train_batches=2", "++trainer.limit_val_batches=2", "++trainer.limit_test_batches=2",
         "max_epochs=1", "trainer.enable_progress_bar=false"]
@@ -49,16 +83,16 @@ NOT_RUN = {("make", "test"): "this suite itself: CI runs it"}
 SCRIPTS = tuple(console_scripts())  # pyproject's [project.scripts]
 
 
-def readme_commands() -> list[list[str]]:
-    cmds, block = [], None
-    for line in README.read_text().splitlines():
-        if line.startswith("```"):
-            block = line[3:].strip() if block is None else None
-            continue
-        if block == "bash" and line.strip():
+def doc_commands() -> list[tuple[str, list[str]]]:
+    """(document, words) of each command line of the ```bash blocks, each line once (its first place)."""
+    cmds, seen = [], set()
+    for doc, lines in blocks("bash"):
+        for line in filter(str.strip, lines):
             words = shlex.split(line, comments=True)
-            if words and (words[0] in ("python", "make") or words[0] in SCRIPTS) and tuple(words[:2]) not in NOT_RUN:
-                cmds.append(words)
+            if (words and (words[0] in ("python", "make") or words[0] in SCRIPTS) and tuple(words[:2]) not in NOT_RUN
+                    and tuple(words) not in seen):
+                seen.add(tuple(words))
+                cmds.append((doc, words))
     return cmds
 
 
@@ -71,27 +105,25 @@ def _argv(words: list[str]) -> list[str]:
     return [str(VENV / "bin" / words[0]), *words[1:]] if words[0] in SCRIPTS else [sys.executable, *words[1:]]
 
 
-COMMANDS = readme_commands()
+PLACED = doc_commands()
+COMMANDS = [words for _, words in PLACED]
 ENSEMBLED = {w.split("=", 1)[1] for c in COMMANDS if c[0] == "mhalab-ensemble" for w in c if w.startswith("runs=")}
 ENSEMBLE_SEEDS = ["seed=0,1,2"]
 
 
-def readme_examples() -> list[tuple[str, str]]:
-    """(command, the line it prints) for each `$ python ...` / `$ mhalab-...` line of the README's plain ``` blocks."""
-    lines, block, out = README.read_text().splitlines(), None, []
-    for i, line in enumerate(lines):
-        if line.startswith("```"):
-            block = line[3:].strip() if block is None else None
-        elif block == "" and line.startswith(("$ python ", "$ mhalab-")):
-            out.append((line[2:], lines[i + 1]))
-    return out
+def doc_examples() -> list[tuple[str, str]]:
+    """(command, the line it prints) for each `$ python ...` / `$ mhalab-...` line of the plain ``` blocks."""
+    out = []
+    for _, lines in blocks(""):
+        out += [(line[2:], lines[i + 1]) for i, line in enumerate(lines) if line.startswith(("$ python ", "$ mhalab-"))]
+    return list(dict.fromkeys(out))
 
 
-EXAMPLES = readme_examples()
+EXAMPLES = doc_examples()
 
 
 @pytest.mark.parametrize("command, printed", EXAMPLES, ids=[_c for _c, _ in EXAMPLES])
-def test_readme_example_prints_what_the_readme_shows(command, printed, tmp_path):
+def test_doc_example_prints_what_the_doc_shows(command, printed, tmp_path):
     # as typed, with the repo's defaults: a user error comes before any data is read (nothing to append)
     proc = subprocess.run([*_argv(shlex.split(command)), f"hydra.run.dir={tmp_path / 'run'}"], cwd=REPO,
                           capture_output=True, text=True, timeout=300, check=False)
@@ -99,24 +131,11 @@ def test_readme_example_prints_what_the_readme_shows(command, printed, tmp_path)
     assert proc.stderr.strip().splitlines()[-1] == printed
 
 
-def readme_python_blocks() -> list[str]:
-    """The README's ```python blocks (the library examples): each asserts its own result."""
-    blocks, block, lines = [], None, []
-    for line in README.read_text().splitlines():
-        if line.startswith("```"):
-            if block == "python":
-                blocks.append("\n".join(lines))
-            block, lines = (line[3:].strip(), []) if block is None else (None, [])
-        elif block is not None:
-            lines.append(line)
-    return blocks
-
-
-PYTHON_BLOCKS = readme_python_blocks()
+PYTHON_BLOCKS = list(dict.fromkeys("\n".join(lines) for _, lines in blocks("python")))
 
 
 @pytest.mark.parametrize("code", PYTHON_BLOCKS, ids=[f"python-{i}" for i in range(len(PYTHON_BLOCKS))])
-def test_readme_python_example_holds(code, tmp_path):
+def test_doc_python_example_holds(code, tmp_path):
     proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300,
                           check=False)
     assert proc.returncode == 0 and "assert" in code, proc.stderr[-3000:]
@@ -126,8 +145,8 @@ def _id(words: list[str]) -> str:
     return re.sub(r"[^\w=.,/<>+-]+", "_", " ".join(words))[:80]
 
 
-def test_readme_has_the_commands_this_test_expects():
-    # the placeholders below are filled from earlier lines: the README must keep that order
+def test_docs_have_the_commands_this_test_expects():
+    # the placeholders below are filled from earlier lines: the documents must keep that order
     text = [" ".join(w) for w in COMMANDS]
     first_run = next(i for i, w in enumerate(COMMANDS) if _is_train(w) and "-m" not in w)
     assert all(i > first_run for i, t in enumerate(text) if "<run>" in t)
@@ -141,7 +160,7 @@ def test_readme_has_the_commands_this_test_expects():
 @pytest.fixture(scope="module")
 def checkout(tmp_path_factory) -> dict:
     """A copy of the checkout's files (outputs go there), and what earlier commands made."""
-    root = tmp_path_factory.mktemp("readme") / "mhalab"
+    root = tmp_path_factory.mktemp("docs") / "mhalab"
     shutil.copytree(REPO, root, ignore=shutil.ignore_patterns(".venv", ".git", ".cache", "outputs", "multirun",
                                                                "*.egg-info", "__pycache__", ".*_cache", "wandb"))
     return {"root": root, "run": None, "sweep": None}
@@ -173,9 +192,9 @@ def _expand(words: list[str], state: dict) -> tuple[list[str], str]:
     if "experiment=article" in line or "_gpu" in line:
         extra += ON_CPU
     if sweep and "hydra.sweep.dir=" not in line:
-        extra.append(f"hydra.sweep.dir=multirun/readme-{len(state.get('sweeps', []))}")
+        extra.append(f"hydra.sweep.dir=multirun/doc-{len(state.get('sweeps', []))}")
     if not sweep and "hydra.run.dir=" not in line:
-        extra.append(f"hydra.run.dir=outputs/readme-{COMMANDS.index(original)}")
+        extra.append(f"hydra.run.dir=outputs/doc-{COMMANDS.index(original)}")
     return cmd + extra, "sweep" if sweep else "run"
 
 
@@ -188,12 +207,12 @@ def _write_questions(root: Path) -> None:
         (root / name).write_text("\n".join(rows) + "\n")
 
 
-@pytest.mark.parametrize("words", COMMANDS, ids=[_id(w) for w in COMMANDS])
-def test_readme_command_runs_as_written(words, checkout):
+@pytest.mark.parametrize("words", COMMANDS, ids=[f"{doc}:{_id(w)}" for doc, w in PLACED])
+def test_doc_command_runs_as_written(words, checkout):
     cmd, kind = _expand(words, checkout)
-    if words[0] == "mhalab-predict":  # the README's input file, one text per line
+    if words[0] == "mhalab-predict":  # the documented input file, one text per line
         (checkout["root"] / "texts.txt").write_text("a gripping , funny film\nflat , dull and far too long\n")
-    if "data=files" in words:  # the README's own files: CSVs of questions with string labels, commas quoted
+    if "data=files" in words:  # the documented own files: CSVs of questions with string labels, commas quoted
         _write_questions(checkout["root"])
     env = dict(os.environ, MHALAB_CACHE_DIR=str(REPO / ".cache"), WANDB_MODE="offline", PYTHONHASHSEED="0")
     proc = subprocess.run(cmd, cwd=checkout["root"], env=env, capture_output=True, text=True, timeout=900,
@@ -231,7 +250,7 @@ def test_readme_command_runs_as_written(words, checkout):
         out_file = next((w.split("=", 1)[1] for w in words if w.startswith("output=")), None)
         lines = ((checkout["root"] / out_file).read_text() if out_file else proc.stdout).splitlines()
         assert len(lines) == 2 and all('"label"' in x and '"probs"' in x for x in lines), lines
-    if words[0] == "mhalab-ensemble":  # the README's sweep of 3 seeds: one ensemble, scored beside its members
+    if words[0] == "mhalab-ensemble":  # the documented sweep of 3 seeds: one ensemble, scored beside its members
         assert "ensembles of 3" in proc.stdout and "3 members on test" in proc.stdout, proc.stdout[-3000:]
     if words[1:2] == ["compare"]:
         assert "PASS" in proc.stdout
