@@ -168,9 +168,9 @@ def test_both_checkpoint_layouts_carry_the_tokenizer(checkpoints, tmp_path):
     saved = torch.load(checkpoints["full"], map_location="cpu", weights_only=False)
     assert "tokenizer" not in saved["mhalab"] and "tokenizer" in saved["ToyDataModule"]
     legacy = make_checkpoint(tmp_path / "legacy.ckpt", legacy=True)
-    for path in (checkpoints["full"], legacy, checkpoints["full"].parent):  # a dir without last.ckpt: error
+    for path in (checkpoints["full"], legacy, checkpoints["full"].parent):  # a dir without metrics.json: error
         if path.is_dir():
-            with pytest.raises(CheckpointError, match="does not exist"):
+            with pytest.raises(CheckpointError, match="not a run dir"):
                 load_checkpoint(path)
             continue
         loaded = load_model(path)

@@ -231,6 +231,9 @@ def test_doc_command_runs_as_written(words, checkout):
         run_dir = root / next(w.split("=", 1)[1] for w in cmd if w.startswith("hydra.run.dir="))
         rec = record.read(run_dir)
         assert rec and rec["status"] == "finished", rec
+        # it ends with the summary of its record, and shows no third-party tips or meaningless FLOPs
+        assert f"  val    acc {record.best(rec)['val/acc']:.2%}" in proc.stdout, proc.stdout[-2000:]
+        assert "💡" not in out and "LeafSpec" not in out and not re.search(r"Total FLOPs: 0\s*$", out, re.MULTILINE)
         if checkout["run"] is None:
             checkout["run"] = run_dir
     elif kind == "sweep":
@@ -246,7 +249,9 @@ def test_doc_command_runs_as_written(words, checkout):
         assert "model:" in proc.stdout and "trainer:" in proc.stdout
     if words[0] == "mhalab-eval" or words[1:2] == ["scripts/eval.py"]:
         assert "test/acc" in proc.stdout
+        assert "(the best by val/acc, step" in re.sub(r"\s+", " ", proc.stdout)  # of a run dir: the tested one
     if words[0] == "mhalab-predict":
+        assert "(the best by val/acc, step" in proc.stderr, proc.stderr
         out_file = next((w.split("=", 1)[1] for w in words if w.startswith("output=")), None)
         lines = ((checkout["root"] / out_file).read_text() if out_file else proc.stdout).splitlines()
         assert len(lines) == 2 and all('"label"' in x and '"probs"' in x for x in lines), lines

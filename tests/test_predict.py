@@ -8,6 +8,7 @@ import io
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -45,8 +46,10 @@ def _predict_cfg(**overrides):
 
 
 def test_loader_gives_the_model_in_eval_mode_with_tokenizer_names_and_data_config(trained):
-    loaded = checkpoint.load_model(trained)  # a run dir: its checkpoints/last.ckpt
-    assert loaded.path == trained / "checkpoints" / "last.ckpt"
+    loaded = checkpoint.load_model(trained)  # a run dir: the best checkpoint its metrics.json reports
+    best = json.loads((trained / "metrics.json").read_text())["best"]["checkpoint"]
+    assert loaded.path == trained / "checkpoints" / Path(best).name and loaded.path.name.startswith("epoch00-acc")
+    assert checkpoint.load_model(trained, which="last").path == trained / "checkpoints" / "last.ckpt"
     assert not loaded.module.training and not loaded.module.model.training
     assert loaded.label_names == NAMES and loaded.max_len == 32 and loaded.data["name"] == "sst2"
     assert loaded.tokenizer.encode("a good film").tokens == ["[CLS]", "a", "good", "film", "[SEP]"]

@@ -1,9 +1,10 @@
 """Checkpoints: the one resolver of `ckpt_path`, safe loading, the checks a resume needs, and the one
 loader of a trained model (`load_model`: module, tokenizer, label names, data config).
 
-`ckpt_path` is a .ckpt file, a run dir (its checkpoints/last.ckpt) or `last` (the newest
-outputs/**/checkpoints/last.ckpt). Training, mhalab-eval, mhalab-predict and the attention maps all
-resolve and load it here. Files are read with torch.load(weights_only=True), so a downloaded checkpoint
+`ckpt_path` is a .ckpt file, a run dir or `last` (the newest outputs/**/checkpoints/last.ckpt). Of a run dir,
+training resumes from its checkpoints/last.ckpt; mhalab-eval, mhalab-predict, the attention maps and the ensembles
+take the best checkpoint (by val/acc), the one the run tested and its metrics.json reports (`checkpoint=last` for the other).
+All of them resolve and load it here. Files are read with torch.load(weights_only=True), so a downloaded checkpoint
 cannot run code: ours hold only tensors, numbers, strings and containers (callbacks.ResumeState stores
 numpy's RNG state as a tensor for this reason).
 """
@@ -42,8 +43,12 @@ def last_checkpoint(run_dir: str | Path) -> Path:
     return Path(run_dir) / CHECKPOINT_DIR / LAST
 
 
-def resolve(ckpt_path: str | Path, outputs: Path | None = None) -> Path:
-    """A .ckpt file, a run dir (its checkpoints/last.ckpt), or 'last' (newest last.ckpt under outputs/)."""
+WHICH = ("best", "last")  # of a run dir: its best checkpoint (the one it tested), or where it stopped
+
+
+def resolve(ckpt_path: str | Path, outputs: Path | None = None, which: str = "last") -> Path:
+    """A .ckpt file, a run dir (its `which` checkpoint: last.ckpt, or the best one: best_checkpoint), or
+    'last' (newest last.ckpt under outputs/)."""
     if str(ckpt_path) == "last":
         outputs = outputs or Path.cwd() / "outputs"
         found = sorted(outputs.glob(f"**/{CHECKPOINT_DIR}/{LAST}"), key=lambda p: p.stat().st_mtime)
@@ -53,11 +58,43 @@ def resolve(ckpt_path: str | Path, outputs: Path | None = None) -> Path:
         return found[-1]
     p = Path(ckpt_path)
     if p.is_dir():
-        p = last_checkpoint(p)
+        if which not in WHICH:
+            raise CheckpointError(f"checkpoint={which} is not one of {', '.join(WHICH)}; use checkpoint=best (the "
+                                  f"run's best checkpoint, the one it tested) or checkpoint=last (where it stopped).")
+        p = best_checkpoint(p) if which == "best" else last_checkpoint(p)
     if not p.is_file():
         looked = f" (looked for {p})" if str(p) != str(ckpt_path) else ""
         raise CheckpointError(f"ckpt_path={ckpt_path} does not exist{looked}; pass a .ckpt file or a run dir.")
     return p
+
+
+def best_checkpoint(run_dir: str | Path) -> Path:
+    """The best checkpoint (by val/acc) of a finished run, as its metrics.json reports it: the one it tested
+    (unless test_after_fit=false); found beside the run dir's checkpoints/ if the run was moved."""
+    from mhalab.train import record
+
+    run_dir = Path(run_dir)
+    try:
+        rec = record.read(run_dir)
+    except ValueError as e:  # a record cut short or not JSON: named by record.read
+        raise CheckpointError(str(e)) from None
+    if rec is None:
+        raise CheckpointError(f"ckpt_path={run_dir} has no {record.FILE}: it is not a run dir; pass a run dir or a "
+                              f".ckpt file.")
+    best = (rec.get("best") or {}).get("checkpoint")
+    if rec.get("status") != "finished" or not best:
+        raise CheckpointError(f"run {run_dir} has not finished (status: {rec.get('status')}), so it reports no best "
+                              f"checkpoint; let it finish, pass checkpoint=last for where it stopped, or pass one of "
+                              f"its .ckpt files.")
+    here = run_dir / CHECKPOINT_DIR / Path(best).name
+    return here if here.is_file() else resolve(best)
+
+
+def describe(path: str | Path) -> str:
+    """What a resolved checkpoint is, for the line that says which one a command used."""
+    step = meta(path)["global_step"]
+    kind = "last" if Path(path).name == LAST else "the best by val/acc"
+    return f"{path} ({kind}, step {step:,})"
 
 
 def _first_sentence(e: BaseException) -> str:
@@ -98,7 +135,7 @@ def _meta(path: str, mtime_ns: int) -> dict:
     ckpt = load(path)
     _check_ours(ckpt, path)
     return {"hyper_parameters": ckpt["hyper_parameters"], "mhalab": ckpt["mhalab"],
-            "global_step": int(ckpt.get("global_step", 0))}
+            "global_step": int(ckpt.get("global_step", 0)), "epoch": int(ckpt.get("epoch", 0))}
 
 
 def check_fits(path: str | Path, model: dict, data: dict) -> None:
@@ -167,9 +204,9 @@ def tokenizer_and_labels(ckpt: dict) -> tuple[str | None, list[str] | None, dict
     return None, None, {}
 
 
-def load_model(ckpt_path: str | Path, device: str = "cpu") -> Loaded:
-    """The model of a checkpoint (a .ckpt, a run dir or `last`) in eval mode, with its tokenizer, label names
-    and data config. The file is read once, safely (weights_only)."""
+def load_model(ckpt_path: str | Path, device: str = "cpu", which: str = "best") -> Loaded:
+    """The model of a checkpoint (a .ckpt, a run dir: its `which` checkpoint, or `last`) in eval mode, with its
+    tokenizer, label names and data config. The file is read once, safely (weights_only)."""
     from mhalab.data.tokenizer import load_tokenizer
     from mhalab.train.module import Classifier
 
@@ -177,7 +214,7 @@ def load_model(ckpt_path: str | Path, device: str = "cpu") -> Loaded:
         from mhalab.errors import ConfigError
 
         raise ConfigError(f"device={device} but torch sees no CUDA device here; use device=cpu.")
-    path = resolve(ckpt_path)
+    path = resolve(ckpt_path, which=which)
     ckpt = load(path)
     _check_ours(ckpt, path)
     tokenizer, names, dm_state = tokenizer_and_labels(ckpt)

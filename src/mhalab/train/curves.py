@@ -32,8 +32,9 @@ def masked_lm_finals(log_csv: str | Path) -> dict[str, float | None]:
 
 
 def loss_curves(metrics_csv: str | Path, out_png: str | Path) -> Path:
-    """Training loss per step (smoothed too) and validation loss and accuracy per epoch; for a pretraining log
-    (mhalab.train.pretrain), its masked-LM loss and masked-token accuracy per step."""
+    """Training loss per step (smoothed too) and validation loss and accuracy per epoch (the validations of fit:
+    run.py keeps the best checkpoint's re-validation out of the log); for a pretraining log (mhalab.train.pretrain),
+    its masked-LM loss and masked-token accuracy per step."""
     from matplotlib.figure import Figure  # here: reading a log (last_epoch_means) needs no matplotlib
 
     df = read_log(metrics_csv)
@@ -42,6 +43,9 @@ def loss_curves(metrics_csv: str | Path, out_png: str | Path) -> Path:
     for key in ("train/loss", "pretrain/loss"):
         if key in df:
             tr = df.dropna(subset=[key])
+            if len(tr) < 10:  # a short run (or few logged steps): each point marked, nothing to smooth
+                ax_loss.plot(tr["step"], tr[key], "o-", lw=1.2, label=f"{key} (logged steps)")
+                continue
             ax_loss.plot(tr["step"], tr[key], alpha=0.35, lw=0.8, label=f"{key} (per step)")
             smooth = tr[key].rolling(max(1, len(tr) // 30), min_periods=1).mean()
             ax_loss.plot(tr["step"], smooth, lw=1.8, label=f"{key} (smoothed)")

@@ -29,20 +29,6 @@ from mhalab.train.evaluate import datamodule_of
 from mhalab.train.predict import probabilities
 
 
-def tested_checkpoint(run_dir: Path) -> Path:
-    """The checkpoint a finished run was tested with; beside the run dir's checkpoints/ if the run was moved."""
-    try:
-        rec = record.read(run_dir) or {}
-    except ValueError as e:  # a record cut short or not JSON: named by record.read
-        raise CheckpointError(str(e)) from None
-    best = (rec.get("best") or {}).get("checkpoint")
-    if rec.get("status") != "finished" or not best:
-        raise CheckpointError(f"run {run_dir} has not finished (status: {rec.get('status')}); let it finish, or "
-                              f"pass one of its .ckpt files to use it as it is.")
-    here = run_dir / checkpoint.CHECKPOINT_DIR / Path(best).name
-    return here if here.is_file() else checkpoint.resolve(best)
-
-
 def members(runs: list[str]) -> tuple[list[Path], list[Path]]:
     """(checkpoints, skipped run dirs). Each entry of `runs`: a .ckpt file, a run dir, or a sweep dir (its
     finished members in seed order; unfinished ones are skipped and returned)."""
@@ -52,11 +38,11 @@ def members(runs: list[str]) -> tuple[list[Path], list[Path]]:
         if p.is_file():
             ckpts.append(checkpoint.resolve(p))
         elif (p / record.FILE).is_file():
-            ckpts.append(tested_checkpoint(p))
+            ckpts.append(checkpoint.best_checkpoint(p))
         elif p.is_dir() and (found := [d.parent for d in p.glob(f"*/{record.FILE}")]):
             for run_dir in sorted(found, key=lambda d: (_seed(d), d.name)):
                 try:
-                    ckpts.append(tested_checkpoint(run_dir))
+                    ckpts.append(checkpoint.best_checkpoint(run_dir))
                 except CheckpointError:
                     skipped.append(run_dir)
         else:
@@ -71,7 +57,7 @@ def members(runs: list[str]) -> tuple[list[Path], list[Path]]:
 def _seed(run_dir: Path) -> int:
     try:
         seed = (record.read(run_dir) or {}).get("seed")
-    except ValueError:  # unreadable: tested_checkpoint says so
+    except ValueError:  # unreadable: best_checkpoint says so
         seed = None
     return seed if isinstance(seed, int) else -1
 

@@ -20,24 +20,26 @@ from mhalab.data import Collate, EncodedSplit, LengthBatchSampler, encode_texts
 from mhalab.errors import ConfigError
 from mhalab.train import checkpoint
 from mhalab.train.config import instantiate
+from mhalab.train.console import quiet
 
 SPLITS = ("train", "validation", "test")
 
 
 def evaluate(ckpt_path: str | Path, split: str = "test", data_dir: str | None = None,
-             batch_size: int | None = None) -> dict:
+             batch_size: int | None = None, which: str = "best") -> dict:
     """{checkpoint, split, examples, <split>/loss, <split>/acc, <split>/f1, <split>/f1_<class>, classes} of a
     checkpoint on one split; `classes`: per-class precision / recall / F1, support and the confusion matrix
     (mhalab.train.class_report), by the label names the checkpoint carries."""
-    loaded = checkpoint.load_model(ckpt_path)  # the one loader: a .ckpt, a run dir, or `last`
+    loaded = checkpoint.load_model(ckpt_path, which=which)  # the one loader: a .ckpt, a run dir, or `last`
     dm = datamodule_of(loaded, split, data_dir)
     texts, labels = dm.read_splits()[split]  # checked rows, with the same seeded dev hold-out as in training
     encoded = EncodedSplit.from_lists(encode_texts(loaded.tokenizer, texts, loaded.max_len), labels)
     sampler = LengthBatchSampler(encoded.lengths, batch_size or dm.eval_batch_size, shuffle=False, shard=False)
     loader = DataLoader(encoded, batch_sampler=sampler, collate_fn=Collate(dm.pad_id))
-    trainer = L.Trainer(accelerator="auto", devices=1, logger=False, enable_progress_bar=False,
-                        enable_model_summary=False)
-    result = trainer.test(loaded.module, dataloaders=loader, verbose=False)[0]
+    with quiet():  # no third-party tips (mhalab.train.console)
+        trainer = L.Trainer(accelerator="auto", devices=1, logger=False, enable_progress_bar=False,
+                            enable_model_summary=False)
+        result = trainer.test(loaded.module, dataloaders=loader, verbose=False)[0]
     # the module logs under "test/"; name the split that was really evaluated
     return {"checkpoint": str(loaded.path), "split": split, "examples": len(encoded),
             **{k.replace("test/", f"{split}/"): float(v) for k, v in result.items()},
@@ -83,8 +85,10 @@ def command(cfg: DictConfig) -> dict:
     if batch_size is not None and (isinstance(batch_size, bool) or not str(batch_size).isdigit()
                                    or int(batch_size) < 1):
         raise ConfigError(f"batch_size={batch_size!r} must be a positive integer.")
-    res = evaluate(str(cfg.ckpt_path), str(cfg.split), cfg.data_dir, int(batch_size) if batch_size else None)
-    table = Table(title=f"{res['checkpoint']} on {res['split']} ({res['examples']} examples)")
+    res = evaluate(str(cfg.ckpt_path), str(cfg.split), cfg.data_dir, int(batch_size) if batch_size else None,
+                   str(cfg.checkpoint))
+    print(f"checkpoint: {checkpoint.describe(res['checkpoint'])}")
+    table = Table(title=f"{res['split']} ({res['examples']} examples)")
     table.add_column("metric")
     table.add_column("value")
     for k, v in res.items():

@@ -127,7 +127,8 @@ def command(cfg: DictConfig) -> None:
     if isinstance(batch_size, bool) or not str(batch_size).isdigit() or int(batch_size) < 1:
         raise ConfigError(f"batch_size={batch_size!r} must be a positive integer, e.g. 64.")
     texts = read_texts(str(cfg.input), cfg.text_column)  # before the model: a bad input costs nothing
-    loaded = checkpoint.load_model(str(cfg.ckpt_path), str(cfg.device))
+    loaded = checkpoint.load_model(str(cfg.ckpt_path), str(cfg.device), str(cfg.checkpoint))
+    print(f"checkpoint: {checkpoint.describe(loaded.path)}", file=sys.stderr)  # stdout may be the predictions
     show = cfg.progress if cfg.progress is not None else cfg.output is not None or sys.stderr.isatty()
     if show:
         from rich.console import Console

@@ -7,7 +7,7 @@ without a live holder is "dead". Each attempt of a resumed run is kept in `attem
 The metrics of a finished run (mhalab.train.run writes them):
 
 * `best`: the best checkpoint (by val/acc): its val/* (evaluated again after fit), its test/* and
-  `checkpoint`, its path. With test_after_fit=false, only val/acc (the checkpoint callback's score).
+  `checkpoint`, its path. With test_after_fit=false, only val/acc (the checkpoint callback's score) and `checkpoint`.
 * `last_epoch`: the val/* of the last validation during fit (what the run ended at, not what it kept).
 * `label_names` (class i's name) and `classes`: per split, per-class precision / recall / F1, support and the
   confusion matrix (mhalab.train.class_report), of the best checkpoint (`classes.of` says which).

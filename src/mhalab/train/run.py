@@ -21,7 +21,6 @@ import math
 import os
 import socket
 import time
-import warnings
 from pathlib import Path
 
 import lightning as L
@@ -34,8 +33,9 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from mhalab.errors import RunDirError, UserError
 from mhalab.train import checkpoint, experiment, pretrain, record, rundir
-from mhalab.train.callbacks import GracefulStop, ResumeState
+from mhalab.train.callbacks import GracefulStop, LogEveryEpoch, ResumeState
 from mhalab.train.config import instantiate, validate
+from mhalab.train.console import quiet, summary
 from mhalab.train.loggers import finish
 from mhalab.train.memory import peak_memory_mb, reset_peak_memory
 from mhalab.train.module import Classifier
@@ -90,10 +90,7 @@ def run(cfg: DictConfig) -> float:
     """Train and test one configuration. Returns the best val/acc (what sweepers optimise)."""
     out = Path(cfg.paths.output_dir)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # tokenizers' threads + DataLoader workers
-    with warnings.catch_warnings():
-        # Lightning warns on every mid-epoch resume that the dataloader is "not resumable": ours is restored
-        # by the datamodule's state_dict (the sampler skips the batches already trained on; tests/test_data.py)
-        warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch")
+    with quiet():  # no third-party tips or warnings a user cannot act on (mhalab.train.console)
         if launch_rank() != 0:  # rank 0 holds the run dir, writes its record and decides whether to resume
             attempt = rank_zero_attempt(out)
             if attempt is not None:
@@ -186,6 +183,7 @@ def _run(cfg: DictConfig, out: Path) -> float:
 
         if (out / "logs" / "metrics.csv").exists():
             loss_curves(out / "logs" / "metrics.csv", out / "loss_curves.png")
+        print(summary(rec, out), flush=True)  # after the progress bars: what the run reached, and where
     return float(rec.get("best", {}).get("val/acc", float("nan")))
 
 
@@ -265,7 +263,7 @@ def _fit_and_test(cfg: DictConfig, out: Path, rec: dict, stop: GracefulStop, ckp
     if not cfg.trainer.get("enable_progress_bar", True):  # Lightning refuses a bar callback then
         callbacks = [c for c in callbacks if not isinstance(c, ProgressBar)]
     # always on: an interrupted run saves last.ckpt at a batch boundary, and a resumed run continues exactly
-    callbacks += [stop, ResumeState()]
+    callbacks += [stop, ResumeState(), LogEveryEpoch()]
     trainer = L.Trainer(**OmegaConf.to_container(cfg.trainer, resolve=True), logger=loggers,
                         callbacks=callbacks, default_root_dir=str(out))
     if rec:  # rank 0: every logger gets the whole config and the provenance, as metrics.json does
@@ -309,16 +307,24 @@ def _fit_and_test_best(cfg: DictConfig, trainer: L.Trainer, dm, module: Classifi
     ckpt_cb = trainer.checkpoint_callback
     best = {"val/acc": float(ckpt_cb.best_model_score) if ckpt_cb and ckpt_cb.best_model_score is not None
             else last_epoch.get("val/acc", float("nan"))}
-    if cfg.get("test_after_fit", True) and not trainer.fast_dev_run:
-        best_path = ckpt_cb.best_model_path if ckpt_cb and ckpt_cb.best_model_path else None
+    best_path = ckpt_cb.best_model_path if ckpt_cb and ckpt_cb.best_model_path else None
+    tested = bool(cfg.get("test_after_fit", True) and not trainer.fast_dev_run)
+    if tested:
         # the best checkpoint by val/acc, evaluated once on val (for its val/loss) and once on test
-        val_res = trainer.validate(module, datamodule=dm, ckpt_path=best_path, verbose=False, weights_only=True)[0]
+        # not to the loggers: on the curves it would be one more validation, at the best epoch's step
+        loggers, trainer.loggers = trainer.loggers, []
+        try:
+            val_res = trainer.validate(module, datamodule=dm, ckpt_path=best_path, verbose=False, weights_only=True)[0]
+        finally:
+            trainer.loggers = loggers
         best.update({k: float(v) for k, v in val_res.items()})
         if "test" in dm.splits:  # a data=files run may have no test file: its record has val/* only
             test_res = trainer.test(module, datamodule=dm, ckpt_path=best_path, verbose=False, weights_only=True)[0]
             best.update({k: float(v) for k, v in test_res.items()})
-        best["checkpoint"] = best_path
-    _write_class_reports(Path(trainer.default_root_dir), module, rec, tested=bool(best.get("checkpoint")))
+    best["checkpoint"] = best_path  # what eval, predict and ensembles of this run dir load (checkpoint.best_checkpoint)
+    if best_path:  # when it was saved: Lightning's epoch (0-based, as in its file name) and step
+        best.update(epoch=checkpoint.meta(best_path)["epoch"], step=checkpoint.meta(best_path)["global_step"])
+    _write_class_reports(Path(trainer.default_root_dir), module, rec, tested=tested and best_path is not None)
     fit_total = sum(a.get("fit_time_s", 0.0) for a in rec.get("attempts", [])) or fit_s
     stopper = trainer.early_stopping_callback  # callbacks=early_stopping
     if stopper is not None:

@@ -20,8 +20,8 @@ from mhalab.analysis.attention_maps.weights import NoAttentionWeights, attention
 from mhalab.errors import ConfigError, UserError
 
 USAGE = ('usage: mhalab-attention-map ckpt_path=PATH text="..." [out=attention_map.png] [max_len=N] '
-         '[device=cpu] [dpi=110]')
-DEFAULTS = {"out": "attention_map.png", "max_len": None, "device": "cpu", "dpi": "110"}
+         '[device=cpu] [dpi=110] [checkpoint=best|last]')
+DEFAULTS = {"out": "attention_map.png", "max_len": None, "device": "cpu", "dpi": "110", "checkpoint": "best"}
 KEYS = ("ckpt_path", "text", *DEFAULTS)
 
 
@@ -58,11 +58,11 @@ def parse(argv: Sequence[str]) -> dict:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from mhalab.train.checkpoint import load_model
+    from mhalab.train.checkpoint import describe, load_model
 
     try:
         args = parse(list(sys.argv[1:] if argv is None else argv))
-        loaded = load_model(args["ckpt_path"], args["device"])
+        loaded = load_model(args["ckpt_path"], args["device"], args["checkpoint"])
         res = draw_text(loaded, args["text"], args["out"], int(args["max_len"]) if args["max_len"] else None,
                         int(args["dpi"]))
     except NoAttentionWeights as e:
@@ -71,6 +71,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    print(f"checkpoint: {describe(loaded.path)}")
     print(f"{res['layers']} layers x {res['heads']} heads over {len(res['tokens'])} positions; "
           f"prediction {res['prediction']}; wrote {res['out']}")
     return 0
