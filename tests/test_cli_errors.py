@@ -161,6 +161,9 @@ CASES = [
          f"ckpt_path={MISSING} does not exist; pass a .ckpt file or a run dir."),
     Case("eval-unknown-split", "scripts/eval.py", ["ckpt_path={run}", "split=nosuch"],
          "split=nosuch is not a split of this data set; choose one of train, validation, test."),
+    Case("eval-which-checkpoint", "scripts/eval.py", ["ckpt_path={run}", "checkpoint=lest"],
+         "checkpoint=lest is not one of best, last; use checkpoint=best (the run's best checkpoint, the one it "
+         "tested) or checkpoint=last (where it stopped)."),
     # ---------------------------------------------------------------- console commands (pyproject's scripts)
     Case("mhalab-eval-batch-size-0", "mhalab-eval", ["ckpt_path={run}", "batch_size=0"],
          "batch_size=0 must be a positive integer."),
