@@ -321,6 +321,14 @@ def test_verdicts_known_answers(claim: str, scenario: str) -> None:
         assert v.headline.ci_low - 1e-12 <= effect <= v.headline.ci_high + 1e-12
 
 
+def test_an_alternative_whose_members_all_failed_is_named_in_the_verdict() -> None:
+    df = _table([({"heads": 8}, [0.85, 0.86, 0.84]), ({"heads": 2}, [0.80, 0.81, 0.79]),
+                 ({"heads": 1}, [0.90, 0.91, 0.92])], statuses={6: "failed", 7: "failed", 8: "failed"})
+    v = _verdict(df, "heads_8_or_16")
+    assert [c.alternative.label for c in v.comparisons] == ["heads=2"]  # heads=1 has no finished member
+    assert v.verdict == SUPPORTED and v.reason.endswith("; not compared: heads=1 (no finished runs)"), v.reason
+
+
 def test_verdict_compares_with_each_alternative_and_pools_8_16() -> None:
     df = _table([({"heads": 1}, [0.70, 0.71, 0.72]), ({"heads": 4}, [0.84, 0.85, 0.86]),
                  ({"heads": 8}, [0.80, 0.81, 0.82]), ({"heads": 16}, [0.82, 0.83, 0.84])])

@@ -22,7 +22,7 @@ from mhalab.analysis.options import doc, emit, parse, split_dir
 from mhalab.analysis.report.render import RESULTS_CSV, p_cell
 from mhalab.analysis.report.stats import margin_units, points_scale, summarize_settings, valid_mask
 from mhalab.analysis.report.values import finite, fmt_num
-from mhalab.analysis.report.verdicts import compute_verdicts
+from mhalab.analysis.report.verdicts import Verdict, compute_verdicts
 from mhalab.errors import ConfigError, one_line_errors
 
 METRIC = "val/acc"
@@ -50,7 +50,18 @@ def _without_data(setting: str) -> str:
     return " ".join(w for w in setting.split() if not w.startswith("data=")) or setting
 
 
-def sweep_rows(data: str, preset: str, csv: Path, margin: float | None) -> tuple[list[dict], dict]:
+@dataclass
+class ClaimRow:
+    """One covered claim in one sweep: its Verdict as the report decided it, and where it comes from."""
+
+    order: int  # the claim's place in report.verdicts: rows are grouped by claim
+    data: str
+    preset: str
+    verdict: Verdict
+    scale: str
+
+
+def sweep_rows(data: str, preset: str, csv: Path, margin: float | None) -> tuple[list[ClaimRow], dict]:
     """(one row per covered claim, the sweep's summary row)."""
     df = pd.read_csv(csv)
     ok = valid_mask(df)
@@ -62,14 +73,8 @@ def sweep_rows(data: str, preset: str, csv: Path, margin: float | None) -> tuple
             "cpu_h": wall / 3600, "scale": _scale(df), "dataset": names.iloc[0] if len(names) else data,
             "best": None if best is None else (_without_data(best["setting"]), best["best_val_acc_mean"],
                                                best["test_acc_mean"])}
-    rows = []
-    for order, v in enumerate(compute_verdicts(df, METRIC, margin)):  # the claims in verdicts.py's order
-        if not v.covered:
-            continue
-        h = v.headline
-        rows.append({"order": order, "claim": v.claim, "data": data, "preset": preset, "verdict": v.verdict, "headline": h,
-                     "claimed": v.claimed, "seeds": v.claimed.n_seeds if v.claimed else 0,
-                     "also": v.also_varies, "confounded": v.confounded, "tuned": v.tuned, "scale": info["scale"]})
+    rows = [ClaimRow(order, data, preset, v, info["scale"])
+            for order, v in enumerate(compute_verdicts(df, METRIC, margin)) if v.covered]
     return rows, info
 
 
@@ -104,21 +109,22 @@ def render(root: Path, margin: float | None = None, baselines: Path | None = Non
          ("| claim | data set | preset | verdict | effect [95% CI] vs closest alternative | detectable (80%) | "
           "p (Holm) | seeds | design | scale |"),
          "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in sorted(rows, key=lambda x: x["order"]):  # stable: data sets and presets stay sorted within a claim
-        h = r["headline"]
+    for r in sorted(rows, key=lambda x: x.order):  # stable: data sets and presets stay sorted within a claim
+        v, h = r.verdict, r.verdict.headline
         eff = "–"
         if h is not None and finite(h.effect):
             ci = (f" [{h.ci_low * scale:+.1f}, {h.ci_high * scale:+.1f}]" if finite(h.ci_low) else "")
-            at = f" at {r['tuned'][h.alternative.label]}" if h.alternative.label in r["tuned"] else ""
+            at = f" at {v.tuned[h.alternative.label]}" if h.alternative.label in v.tuned else ""
             eff = f"{h.effect * scale:+.1f}{ci} vs {h.alternative.label}{at}"
-        averaged = [x for x in r["also"] if x not in r["confounded"]]
-        design = "; ".join([*(["confounded with " + ", ".join(r["confounded"])] if r["confounded"] else []),
+        averaged = [x for x in v.also_varies if x not in v.confounded]
+        design = "; ".join([*(["confounded with " + ", ".join(v.confounded)] if v.confounded else []),
                             *(["averaged over " + ", ".join(averaged)] if averaged else [])]) or "one factor"
-        if r["tuned"]:
+        if v.tuned:
             design += "; lr tuned per group"
         detectable = f"{h.detectable * scale:.1f}" if h is not None and finite(h.detectable) else "–"
-        L.append(f"| {r['claim']} | {r['data']} | [{r['preset']}]({r['data']}/{r['preset']}/report.md) | "
-                 f"**{r['verdict']}** | {eff} | {detectable} | {p_cell(h)} | {r['seeds']} | {design} | {r['scale']} |")
+        seeds = v.claimed.n_seeds if v.claimed else 0
+        L.append(f"| {v.claim} | {r.data} | [{r.preset}]({r.data}/{r.preset}/report.md) | "
+                 f"**{v.verdict}** | {eff} | {detectable} | {p_cell(h)} | {seeds} | {design} | {r.scale} |")
     L += ["", ("Per sweep: runs, CPU time (the members' wall time summed; two ran at a time on 2 cores), the best "
                "cell (mean over seeds), and the bar a bag of words sets on the same splits (TF-IDF + logistic "
                "regression, `mhalab-baseline data=<set>`):"), "",

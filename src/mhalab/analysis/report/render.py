@@ -14,7 +14,7 @@ from mhalab.analysis.report.stats import (
     MIN_SEEDS,
     Comparison,
     GroupStats,
-    claim_verdict,
+    compare,
     fmt_p,
     higher_is_better,
     points_scale,
@@ -138,7 +138,7 @@ def render_markdown(df: pd.DataFrame, summary: pd.DataFrame, verdicts: list[Verd
             line = f"Runner-up **{_md(r2['setting'])}** is {gap:.{digits}f}{unit} behind"
             best_g, second_g = (GroupStats.of(str(x["setting"]), df[ok & (df["setting"] == x["setting"])])
                                 for x in (b, r2))
-            _, _, (comp,) = claim_verdict(best_g, [second_g], 1.0 if higher_is_better(metric) else -1.0, margin)
+            comp = compare(best_g, second_g, 1.0 if higher_is_better(metric) else -1.0, margin)  # one test: no Holm
             if comp.test == "none":
                 line += " (fewer than 2 seeds: noise not measurable)."
             else:

@@ -148,20 +148,31 @@ def summarize_settings(df: pd.DataFrame, metric: str = DEFAULT_METRIC) -> pd.Dat
 
 @dataclass
 class GroupStats:
+    """One group of a sweep: its per-seed means (a seed is one sample); mean, std and n_seeds derive from them."""
+
     label: str
-    n: int  # members
-    n_seeds: int
-    mean: float  # over the per-seed means
-    std: float  # of the per-seed means (ddof=1)
+    n: int  # members with a value
     per_seed: pd.Series  # seed -> mean of the group's members at that seed
+
+    @property
+    def n_seeds(self) -> int:
+        return len(self.per_seed)
+
+    @property
+    def mean(self) -> float:
+        """Over the per-seed means."""
+        return float(self.per_seed.mean()) if len(self.per_seed) else math.nan
+
+    @property
+    def std(self) -> float:
+        """Of the per-seed means (ddof=1)."""
+        return float(self.per_seed.std(ddof=1)) if len(self.per_seed) >= 2 else math.nan
 
     @classmethod
     def of(cls, label: str, sub: pd.DataFrame) -> GroupStats:
         vals = pd.to_numeric(sub["monitored"], errors="coerce")
         per_seed = vals.groupby(sub["seed"]).mean().dropna() if len(sub) else pd.Series(dtype=float)
-        return cls(label=label, n=int(vals.notna().sum()), n_seeds=len(per_seed),
-                   mean=float(per_seed.mean()) if len(per_seed) else math.nan,
-                   std=float(per_seed.std(ddof=1)) if len(per_seed) >= 2 else math.nan, per_seed=per_seed)
+        return cls(label=label, n=int(vals.notna().sum()), per_seed=per_seed)
 
 
 @dataclass

@@ -208,6 +208,8 @@ def compute_verdicts(df: pd.DataFrame, metric: str = DEFAULT_METRIC, margin: flo
                                margin=margin, also_varies=also, confounded=confounded, tuned=tuned))
             continue
         verdict, reason, comps = claim_verdict(claimed, [g for g in groups.values() if g.n], sign, margin)
+        if failed := [name for name, g in groups.items() if not g.n]:  # the verdict is over the others: say so
+            reason += f"; not compared: {', '.join(failed)} (no finished runs)"
         out.append(Verdict(key=spec["key"], claim=spec["claim"], variable=var, verdict=verdict, reason=reason,
                            covered=True, claimed=claimed, comparisons=comps, margin=margin,
                            also_varies=also, confounded=confounded, tuned=tuned))
