@@ -96,8 +96,12 @@ class Classifier(L.LightningModule):
                              f"num_classes={num_classes}; give one name per class, or none.")
         self.save_hyperparameters(ignore=["checkpoint_extras"])  # the extras have their own entry, below
         self.model = SequenceClassifier(vocab_size=vocab_size, num_classes=num_classes, pad_id=pad_id, **model)
-        # one sequence of max_len real tokens: the model summary counts each module's FLOPs on it (its FLOPs column)
-        self.example_input_array = torch.full((1, int(model.get("max_len", 128))), 1 + (pad_id == 1), dtype=torch.long)
+        # one sequence of max_len real tokens: the model summary counts each module's FLOPs on it (its FLOPs column).
+        # Not for model=official: in eval PyTorch's layers pass nested tensors, whose shapes Lightning's summary
+        # cannot read (it would fail); its FLOPs column reads 0 there.
+        if model.get("encoder", "custom") == "custom":
+            self.example_input_array = torch.full((1, int(model.get("max_len", 128))), 1 + (pad_id == 1),
+                                                  dtype=torch.long)
         if compile:  # in place: state_dict keys (and checkpoints) are the same with and without compile
             if self.model.compile_positionwise():
                 log.info("compile=true: each encoder layer's position-wise half compiled; attention runs eager "
