@@ -172,3 +172,8 @@ def test_dry_run_imdb_part_pretrains_then_fine_tunes_and_sets_the_bag_of_words_b
     assert imdb["pretrain_steps"] > 0  # masked-LM self-pretraining on the train texts
     assert 0.0 <= imdb["test_acc"] <= 1.0 and imdb["tfidf_test_acc"] == 0.9058  # results/baselines/imdb.json
     assert "IMDB at the article's width" in (tmp / "out" / "gpu_check.md").read_text()
+
+
+def test_the_cuda_part_collects_only_the_files_that_hold_cuda_tests():
+    files = [Path(f).name for f in gc.cuda_test_files(str(Path(__file__).parent))]
+    assert files == ["test_cuda.py", "test_varlen.py"]  # the files with a test marked cuda, and no other
