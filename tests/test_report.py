@@ -19,6 +19,7 @@ from mhalab.analysis.report import (
     CONTRADICTED,
     INCONCLUSIVE,
     NOT_COVERED,
+    NOT_DECIDED,
     SUPPORTED,
     NoMembersError,
     collect_results,
@@ -29,7 +30,7 @@ from mhalab.analysis.report import (
     training_val_rows,
     write_report,
 )
-from mhalab.analysis.report.stats import detectable_effect
+from mhalab.analysis.report.stats import detectable_effect, not_learned_mask
 from mhalab.analysis.sweep_callbacks import ReportCallback
 from mhalab.train import record
 from mhalab.train.config import CONF_DIR
@@ -63,8 +64,9 @@ def _lightning_csv(path: Path, val_acc: float, epochs: int = 3, steps_per_epoch:
 
 
 def _member(root: Path, name: str, heads: int, seed: int, val_acc: float, test_acc: float,
-            wall: float = 100.0, old_record: bool = False) -> Path:
-    """A finished member; old_record: metrics.json as written before `last_epoch` (test/* under `final`)."""
+            wall: float = 100.0, old_record: bool = False, confusion: list | None = None) -> Path:
+    """A finished member; old_record: metrics.json as written before `last_epoch` (test/* under `final`);
+    confusion: its best checkpoint's validation confusion matrix (rows true, columns predicted)."""
     d = root / name
     d.mkdir(parents=True)
     test = {"test/acc": test_acc, "test/f1": 0.7, "test/loss": 0.47}
@@ -77,6 +79,8 @@ def _member(root: Path, name: str, heads: int, seed: int, val_acc: float, test_a
         "wall_time_s": wall, "tokens_per_s": 2000.0 * heads, "padding_fraction": 0.05, **metrics,
         "device": "cpu", "output_dir": str(d),
     }
+    if confusion is not None:
+        rec["classes"] = {"of": "best", "validation": {"labels": ["negative", "positive"], "confusion": confusion}}
     (d / "metrics.json").write_text(json.dumps(rec))
     _lightning_csv(d / "metrics.csv", val_acc)
     return d
@@ -327,6 +331,30 @@ def test_an_alternative_whose_members_all_failed_is_named_in_the_verdict() -> No
     v = _verdict(df, "heads_8_or_16")
     assert [c.alternative.label for c in v.comparisons] == ["heads=2"]  # heads=1 has no finished member
     assert v.verdict == SUPPORTED and v.reason.endswith("; not compared: heads=1 (no finished runs)"), v.reason
+
+
+def test_models_that_predict_one_class_get_no_verdict_and_no_best_setting(tmp_path: Path) -> None:
+    """The issue's case: every member answers one class (one class's F1 = 0), at the majority class's level, and the
+    cells tie. Before: "no practical difference (equiv. p < 0.001)" and a bolded best setting out of the tie."""
+    root = tmp_path / "multirun"
+    for seed, cm in enumerate(([[0, 52], [0, 48]], [[0, 45], [0, 55]])):  # each seed's validation: one class predicted
+        acc = cm[1][1] / 100
+        for heads in (2, 8):
+            _member(root, f"heads={heads},seed={seed}", heads, seed, acc, acc, confusion=cm)
+    res = write_report(root)
+    assert res["verdict_by_claim"]["heads_8_or_16"] == NOT_DECIDED
+    verdict = next(v for v in json.loads((root / "verdicts.json").read_text())["verdicts"] if v["key"] == "heads_8_or_16")
+    assert verdict["reason"].startswith("the models did not learn in heads in {8,16}, heads=2"), verdict["reason"]
+    report = (root / "report.md").read_text()
+    assert "No best setting: **heads=2**, **heads=8** tie at `val/acc` 51.50" in report
+    assert "Best setting" not in report.split("## Best setting")[1].split("##")[0].replace("No best setting", "")
+
+
+def test_a_member_that_learned_is_not_flagged(tmp_path: Path) -> None:
+    df = pd.DataFrame({"best_val_acc": [0.80, 0.53, 0.70], "val_majority_acc": [0.52, 0.52, 0.52],
+                       "val_classes_predicted": [2, 2, 1]})
+    assert not_learned_mask(df).tolist() == [False, True, True]  # learned; at the majority's level; one class
+    assert not not_learned_mask(df.drop(columns="val_majority_acc")).any()  # an old results.csv: not checked
 
 
 def test_verdict_compares_with_each_alternative_and_pools_8_16() -> None:

@@ -20,7 +20,13 @@ import pandas as pd
 
 from mhalab.analysis.options import doc, emit, parse, split_dir
 from mhalab.analysis.report.render import RESULTS_CSV, p_cell
-from mhalab.analysis.report.stats import margin_units, points_scale, summarize_settings, valid_mask
+from mhalab.analysis.report.stats import (
+    margin_units,
+    points_scale,
+    summarize_settings,
+    top_settings,
+    valid_mask,
+)
 from mhalab.analysis.report.values import finite, fmt_num
 from mhalab.analysis.report.verdicts import Verdict, compute_verdicts
 from mhalab.errors import ConfigError, one_line_errors
@@ -66,7 +72,8 @@ def sweep_rows(data: str, preset: str, csv: Path, margin: float | None) -> tuple
     df = pd.read_csv(csv)
     ok = valid_mask(df)
     summary = summarize_settings(df, METRIC)
-    best = summary.iloc[0] if len(summary) and summary.iloc[0]["n"] else None
+    top = top_settings(summary)
+    best = top.iloc[0] if len(top) == 1 else None  # none when nothing finished or the top cells tie
     wall = pd.to_numeric(df["wall_time_s"], errors="coerce").fillna(0).sum()
     names = df["dataset"].dropna() if "dataset" in df else pd.Series(dtype=object)
     info = {"data": data, "preset": preset, "runs": len(df), "finished": int(ok.sum()),

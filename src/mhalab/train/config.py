@@ -50,12 +50,45 @@ def _run_id() -> str:
     return f"{time.strftime('%Y-%m-%d/%H-%M-%S')}_{os.getpid()}{secrets.token_hex(2)}"
 
 
+MEMBER_DIR_MAX = 120  # characters of a member dir's name (file systems allow 255 bytes; keep it readable)
+
+
 def _member_dir(override_dirname: str) -> str:
-    """A sweep member's dir name from its overrides: one path component, at most ~120 characters."""
+    """A sweep member's dir name from its overrides (Hydra's override_dirname: sorted, `,`-joined): one path
+    component. Past MEMBER_DIR_MAX characters it keeps the swept values, first and whole, and stands for the
+    overrides every member shares by a hash of them (`heads=4,seed=0,~3f2a91c0`): two sweeps that differ in those
+    never share a member's dir."""
     name = override_dirname.replace(os.sep, "_") or "default"
-    if len(name) > 120:
-        name = f"{name[:100]}-{hashlib.sha1(name.encode()).hexdigest()[:10]}"
-    return name
+    if len(name) <= MEMBER_DIR_MAX:
+        return name
+    swept, shared = _split_swept(override_dirname)
+    if swept and shared:
+        rest = hashlib.sha1(",".join(shared).encode()).hexdigest()[:8]
+        short = ",".join(swept).replace(os.sep, "_") + f",~{rest}"
+        if len(short) <= MEMBER_DIR_MAX:
+            return short
+    return f"{name[:100]}-{hashlib.sha1(name.encode()).hexdigest()[:10]}"
+
+
+def _split_swept(override_dirname: str) -> tuple[list[str], list[str]]:
+    """This job's overrides as (swept, shared by every member): swept are the keys the sweep's command line sweeps
+    (its multirun.yaml, written before any member starts) and the sweeper's params (the sweep= presets, Optuna's
+    search space). ([], []) outside a multirun."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        hc = HydraConfig.get()
+        sweep_file = Path(hc.sweep.dir) / "multirun.yaml"
+        task = OmegaConf.load(sweep_file).hydra.overrides.task if sweep_file.is_file() else []
+    except ValueError:  # no Hydra config: not inside a Hydra job
+        return [], []
+    parsed = OverridesParser.create().parse_overrides([str(o) for o in task])
+    keys = {o.key_or_group for o in parsed if o.is_sweep_override()} | set(hc.sweeper.get("params") or {})
+    exclude = set(hc.job.config.override_dirname.exclude_keys)
+    mine = sorted(o for o in hc.overrides.task if o.split("=", 1)[0].lstrip("+~") not in exclude)
+    swept = [o for o in mine if o.split("=", 1)[0].lstrip("+~") in keys]
+    return swept, [o for o in mine if o not in swept]
 
 
 def register_resolvers() -> None:

@@ -44,6 +44,7 @@ from mhalab.analysis.report.stats import (
     INCONCLUSIVE,
     NO_DIFFERENCE,
     NOT_COVERED,
+    NOT_DECIDED,
     SUPPORTED,
     margin_units,
     points_scale,
@@ -57,7 +58,7 @@ log = logging.getLogger(__name__)
 
 VERDICTS_JSON = "verdicts.json"
 
-__all__ = ["CONTRADICTED", "DEFAULT_METRIC", "INCONCLUSIVE", "NOT_COVERED", "NO_DIFFERENCE", "SUPPORTED",
+__all__ = ["CONTRADICTED", "DEFAULT_METRIC", "INCONCLUSIVE", "NOT_COVERED", "NOT_DECIDED", "NO_DIFFERENCE", "SUPPORTED",
            "NoMembersError",
            "collect_results", "compute_verdicts", "main", "setting_of", "summarize_settings",
            "training_val_rows", "write_report"]

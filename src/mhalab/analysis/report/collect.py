@@ -28,6 +28,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pandas as pd
 
 from mhalab.analysis.report.stats import DEFAULT_METRIC, higher_is_better
@@ -45,6 +46,7 @@ RESULT_COLUMNS = [
     "monitored", "best_val_loss", "best_epoch", "final_val_acc", "test_f1", "test_loss", "global_step",
     "padding_fraction", "dim", "heads", "head_dim", "layers", "ff_dim", "ff_ratio", "dropout", "lr",
     "batch_size", "max_epochs", "max_len", "dataset", "attention", "pos", "device",
+    "val_majority_acc", "val_classes_predicted",
 ]
 
 
@@ -254,6 +256,12 @@ def load_member(member_dir: Path, root: Path, metric: str = DEFAULT_METRIC) -> d
     row["dataset"] = data_cfg.get("name")
     row["attention"] = _cfg_get(cfg, "attention")
     row["pos"] = _cfg_get(cfg, "pos")
+    # did it learn? the validation split's majority-class share, and how many classes the best checkpoint predicts
+    confusion = ((data.get("classes") or {}).get("validation") or {}).get("confusion")
+    if confusion:
+        cm = np.asarray(confusion, dtype=float)  # rows: true class, columns: predicted
+        row["val_majority_acc"] = float(cm.sum(1).max() / max(cm.sum(), 1.0))
+        row["val_classes_predicted"] = int((cm.sum(0) > 0).sum())
     row["_csv"] = str(csv_path) if csv_path else None
     return row
 
@@ -272,4 +280,18 @@ def collect_results(multirun_dir: str | Path, metric: str = DEFAULT_METRIC) -> p
     dirs = sorted(members + _find_missing_hydra_jobs(root, members),
                   key=lambda d: natural_key(str(d.relative_to(root))))
     df = pd.DataFrame([load_member(d, root, metric) for d in dirs])
-    return df[RESULT_COLUMNS + ["_csv"]]
+    df["setting"], common = without_common(df["setting"])
+    df = df[RESULT_COLUMNS + ["_csv"]]
+    df.attrs["common"] = common  # what every member was run with: the report says it once
+    return df
+
+
+def without_common(settings: pd.Series) -> tuple[pd.Series, list[str]]:
+    """Settings without the overrides every member shares (`heads=2`, not `++trainer.limit_train_batches=20 ...
+    heads=2`), and those shared overrides. A sweep of one setting keeps its label whole."""
+    words = [[] if s == "(default)" else str(s).split(" ") for s in settings]
+    if len(set(settings)) < 2:
+        return settings, []
+    common = [w for w in words[0] if all(w in ws for ws in words[1:])]
+    kept = [" ".join(w for w in ws if w not in common) or "(default)" for ws in words]
+    return pd.Series(kept, index=settings.index), common

@@ -18,6 +18,7 @@ from mhalab.analysis.report.stats import (
     fmt_p,
     higher_is_better,
     points_scale,
+    top_settings,
     valid_mask,
 )
 from mhalab.analysis.report.values import finite, fmt_num
@@ -103,6 +104,8 @@ def render_markdown(df: pd.DataFrame, summary: pd.DataFrame, verdicts: list[Verd
           f"Monitored metric: `{metric}` (best over epochs, "
           f"{'higher' if higher_is_better(metric) else 'lower'} is better); test metrics are reported, "
           "never used for selection."), ""]
+    if df.attrs.get("common"):  # left out of the setting labels below
+        L += [f"Every member: `{' '.join(df.attrs['common'])}`.", ""]
     L += ["## Scale measured", ""] + _scale_lines(df) + [""]
 
     L += ["## Per-setting results (mean ± std over seeds)", ""]
@@ -124,9 +127,12 @@ def render_markdown(df: pd.DataFrame, summary: pd.DataFrame, verdicts: list[Verd
     L.append("")
 
     L += ["## Best setting", ""]
-    ranked = summary[summary["n"] > 0]
+    ranked, top = summary[summary["n"] > 0], top_settings(summary)
     if ranked.empty:
         L += ["No finished member: no best setting.", ""]
+    elif len(top) > 1:
+        L += [(f"No best setting: {', '.join(f'**{_md(x)}**' for x in top['setting'])} tie at `{metric}` "
+              f"{top['monitored_mean'].iloc[0] * scale:.{digits}f}{unit}."), ""]
     else:
         b = ranked.iloc[0]
         L.append(f"**{_md(b['setting'])}**: `{metric}` {_pm(b['monitored_mean'], b['monitored_std'], scale, digits)}"
@@ -155,7 +161,9 @@ def render_markdown(df: pd.DataFrame, summary: pd.DataFrame, verdicts: list[Verd
           f"worse and by TOST for equivalence within ±{margin * scale:g}{unit} (the margin), each "
           "Holm-corrected across the claim's alternatives. **supported**: better than every alternative; "
           "**contradicted**: worse than one; **no practical difference**: better than or within the margin of each; "
-          f"**inconclusive**: an interval crosses the margin (or fewer than {MIN_SEEDS} seeds). Effect = claimed − "
+          f"**inconclusive**: an interval crosses the margin (or fewer than {MIN_SEEDS} seeds); **not decided**: most "
+          "members of a compared group did not learn (validation accuracy at the majority class's level, or one class "
+          "predicted), or every member has the same value. Effect = claimed − "
           "alternative (> 0: claimed better) with its two-sided 95% CI; detectable = the smallest true effect that "
           f"comparison finds with 80% power at {ALPHA:g} (from its seed variance; an inconclusive verdict rules out "
           "no effect below it). Other swept variables are averaged over "

@@ -68,6 +68,9 @@ CONTRADICTED = "contradicted"
 NO_DIFFERENCE = "no practical difference"
 INCONCLUSIVE = "inconclusive"
 NOT_COVERED = "not covered"
+NOT_DECIDED = "not decided"  # the models did not learn, or every cell is the same: a comparison would say nothing
+LEARNED_MARGIN = 0.01  # a member learned if it beats the validation split's majority class by more than this
+
 
 # one comparison's outcome
 BETTER, WORSE, EQUIVALENT, UNCLEAR = "claimed better", "claimed worse", "equivalent", "unclear"
@@ -95,6 +98,17 @@ def margin_units(metric: str, margin: float | None = None) -> float:
     return margin / scale
 
 
+def not_learned_mask(df: pd.DataFrame) -> pd.Series:
+    """Members whose best checkpoint did not learn: validation accuracy within LEARNED_MARGIN of always answering
+    the majority class, or one class predicted for every example (from each member's validation confusion
+    matrix; a results.csv without those columns, written before them, has every member False: not checked)."""
+    if "val_majority_acc" not in df or "val_classes_predicted" not in df:
+        return pd.Series(False, index=df.index)
+    acc, majority = (pd.to_numeric(df[c], errors="coerce") for c in ("best_val_acc", "val_majority_acc"))
+    predicted = pd.to_numeric(df["val_classes_predicted"], errors="coerce")
+    return ((acc <= majority + LEARNED_MARGIN) | (predicted < 2)).fillna(False)
+
+
 def valid_mask(df: pd.DataFrame) -> pd.Series:
     """The members that enter statistics: finished, with a finite monitored value."""
     mon = pd.to_numeric(df["monitored"], errors="coerce")
@@ -108,6 +122,16 @@ def valid_mask(df: pd.DataFrame) -> pd.Series:
 def _std(x: pd.Series) -> float:
     x = pd.to_numeric(x, errors="coerce").dropna()
     return float(x.std(ddof=1)) if len(x) >= 2 else math.nan
+
+
+def top_settings(summary: pd.DataFrame) -> pd.DataFrame:
+    """The settings at the top of summarize_settings' ranking: one row, or several that tie (equal means to 1e-12,
+    e.g. models that all predict one class): a tie has no best setting."""
+    ranked = summary[summary["n"] > 0]
+    if ranked.empty:
+        return ranked
+    top = ranked["monitored_mean"].iloc[0]
+    return ranked[np.isclose(ranked["monitored_mean"], top, rtol=0.0, atol=1e-12)]
 
 
 def summarize_settings(df: pd.DataFrame, metric: str = DEFAULT_METRIC) -> pd.DataFrame:

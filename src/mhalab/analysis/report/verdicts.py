@@ -32,11 +32,13 @@ from mhalab.analysis.report.stats import (
     DEFAULT_METRIC,
     INCONCLUSIVE,
     NOT_COVERED,
+    NOT_DECIDED,
     Comparison,
     GroupStats,
     claim_verdict,
     higher_is_better,
     margin_units,
+    not_learned_mask,
     valid_mask,
 )
 from mhalab.analysis.report.values import finite, fmt_num
@@ -178,6 +180,9 @@ def compute_verdicts(df: pd.DataFrame, metric: str = DEFAULT_METRIC, margin: flo
     sign = 1.0 if higher_is_better(metric) else -1.0
     margin = margin_units(metric, margin)
     valid = df[valid_mask(df)]
+    idle = not_learned_mask(valid)
+    monitored = pd.to_numeric(valid["monitored"], errors="coerce")
+    same = len(valid) > 1 and monitored.nunique() == 1  # every member the same value: nothing to compare
     varying = {v: _distinct(df[v]) for v in CLAIM_VARS}
     tuned_varies = [v for v in TUNED if v in df and len(_distinct(df[v])) > 1]
     out = []
@@ -193,19 +198,28 @@ def compute_verdicts(df: pd.DataFrame, metric: str = DEFAULT_METRIC, margin: flo
         # a variable that takes one value per value of the claim's is confounded with it, not averaged over
         confounded = [o for o in also if df.groupby(df[var].round(9))[o].nunique().max() <= 1]
         label, claimed_sub, alt_subs = spec["groups"](vals, valid)
-        tuned = {}
-        groups = {}
+        tuned, groups, subs = {}, {}, {}
         for name, sub in [(label, claimed_sub), *alt_subs.items()]:
             sub, at = _at_best_tuned(sub, sign) if tuned_varies else (sub, "")
             if at:
                 tuned[name] = at
-            groups[name] = GroupStats.of(name, sub)
+            groups[name], subs[name] = GroupStats.of(name, sub), sub
+        # a group most of whose members did not learn (chance or majority-class level): its comparison says nothing
+        stuck = [name for name, sub in subs.items() if len(sub) and idle.loc[sub.index].mean() > 0.5]
         claimed = groups.pop(label)
         if claimed.n == 0 or not any(g.n for g in groups.values()):
             missing = label if claimed.n == 0 else "every alternative"
             out.append(Verdict(key=spec["key"], claim=spec["claim"], variable=var, verdict=INCONCLUSIVE,
                                reason=f"no finished runs for {missing}", covered=True, claimed=claimed,
                                margin=margin, also_varies=also, confounded=confounded, tuned=tuned))
+            continue
+        if same or stuck:
+            why = (f"every member has the same {metric} ({fmt_num(monitored.iloc[0])}): nothing to compare" if same
+                   else f"the models did not learn in {', '.join(stuck)} (validation accuracy at the majority "
+                        f"class's level, or one class predicted): a comparison of them says nothing about the claim")
+            out.append(Verdict(key=spec["key"], claim=spec["claim"], variable=var, verdict=NOT_DECIDED, reason=why,
+                               covered=True, claimed=claimed, margin=margin, also_varies=also,
+                               confounded=confounded, tuned=tuned))
             continue
         verdict, reason, comps = claim_verdict(claimed, [g for g in groups.values() if g.n], sign, margin)
         if failed := [name for name, g in groups.items() if not g.n]:  # the verdict is over the others: say so
