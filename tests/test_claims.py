@@ -45,6 +45,8 @@ def test_claims_table_has_each_sweeps_verdict_and_effect_as_the_report_decides(t
     (tmp_path / "b").mkdir()
     (tmp_path / "b" / "trec.json").write_text('{"mean": {"validation/acc": 0.858, "test/acc": 0.881}}')
     assert "| 0.25 h | dropout=0.1: 83.0 / 83.0 | 85.8 / 88.1 | dim 128" in render(tmp_path, baselines=tmp_path / "b")
+    assert "steps) | `mhalab-train sweep=dropout data=trec` |" in text  # the command that runs it again
+    assert "| dim 128, 2 layers, 10 epochs (~770 steps) | 0.25 |" in text  # each claim row's cost (CPU h)
     out = tmp_path / "table.md"
     assert main([str(tmp_path), f"out={out}", "baselines=null"]) == 0
     assert out.read_text() == text
@@ -61,3 +63,13 @@ def test_claims_errors_are_one_line(tmp_path, capsys, args, message):
     assert exit_.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0], err
+
+
+def test_another_regimes_sweeps_get_a_section_of_their_own(tmp_path):
+    _sweep(tmp_path, "trec", "dropout", "dropout", {0.0: 0.80, 0.1: 0.83, 0.3: 0.81})
+    _sweep(tmp_path, "trec-short", "dropout", "dropout", {0.0: 0.60, 0.1: 0.61, 0.3: 0.62})
+    text = render(tmp_path)
+    main_table, other = text.split("## Another regime: short")
+    assert "| dropout 0.1 | trec | " in main_table and "trec-short" not in main_table.split("## The sweeps")[0]
+    assert "| dropout 0.1 | trec-short | " in other.split("## The sweeps")[0]
+    assert "| trec-short | dropout | 15 (15) |" in text and text.count("`mhalab-train sweep=dropout") == 1

@@ -65,6 +65,13 @@ class ClaimRow:
     preset: str
     verdict: Verdict
     scale: str
+    cpu_h: float  # the sweep's cost: its members' wall time summed
+
+
+def regime(data: str) -> str:
+    """'' for a data set folder (`sst2`), the label of another regime for `<data set>-<label>` (`sst2-fifth-epoch`:
+    sweeps of earlier presets, kept in a section of their own)."""
+    return data.split("-", 1)[1] if "-" in data else ""
 
 
 def sweep_rows(data: str, preset: str, csv: Path, margin: float | None) -> tuple[list[ClaimRow], dict]:
@@ -80,7 +87,7 @@ def sweep_rows(data: str, preset: str, csv: Path, margin: float | None) -> tuple
             "cpu_h": wall / 3600, "scale": _scale(df), "dataset": names.iloc[0] if len(names) else data,
             "best": None if best is None else (_without_data(best["setting"]), best["best_val_acc_mean"],
                                                best["test_acc_mean"])}
-    rows = [ClaimRow(order, data, preset, v, info["scale"])
+    rows = [ClaimRow(order, data, preset, v, info["scale"], info["cpu_h"])
             for order, v in enumerate(compute_verdicts(df, METRIC, margin)) if v.covered]
     return rows, info
 
@@ -112,10 +119,23 @@ def render(root: Path, margin: float | None = None, baselines: Path | None = Non
             "Detectable = the smallest true effect a two-sided 5% test of that comparison finds with 80% power, from its "
             "observed seed variance (stats.detectable_effect; before Holm, so a claim with several alternatives needs "
             "somewhat more): an inconclusive row rules out no effect smaller than that.")
-    L = ["# The article's claims, tested", "", rule, "",
-         ("| claim | data set | preset | verdict | effect [95% CI] vs closest alternative | detectable (80%) | "
-          "p (Holm) | seeds | design | scale |"),
-         "|---|---|---|---|---|---|---|---|---|---|"]
+    L = ["# The article's claims, tested", "", rule, ""]
+    for label in sorted({regime(r.data) for r in rows}):  # the data sets' own scale first, then other regimes
+        if label:
+            L += [f"## Another regime: {label}", "",
+                  (f"Sweeps in `<data set>-{label}` folders: their settings differ from the data set's default run "
+                   "(each report's first lines say how); read their rows as that regime's, not as the claim's test "
+                   "at the default scale."), ""]
+        L += claim_table([r for r in rows if regime(r.data) == label], scale)
+    L += _sweep_table(infos, baselines)
+    return "\n".join(L)
+
+
+def claim_table(rows: list[ClaimRow], scale: float) -> list[str]:
+    """The claim x sweep rows, grouped by claim."""
+    L = [("| claim | data set | preset | verdict | effect [95% CI] vs closest alternative | detectable (80%) | "
+          "p (Holm) | seeds | design | scale | cost (CPU h) |"),
+         "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda x: x.order):  # stable: data sets and presets stay sorted within a claim
         v, h = r.verdict, r.verdict.headline
         eff = "–"
@@ -131,18 +151,28 @@ def render(root: Path, margin: float | None = None, baselines: Path | None = Non
         detectable = f"{h.detectable * scale:.1f}" if h is not None and finite(h.detectable) else "–"
         seeds = v.claimed.n_seeds if v.claimed else 0
         L.append(f"| {v.claim} | {r.data} | [{r.preset}]({r.data}/{r.preset}/report.md) | "
-                 f"**{v.verdict}** | {eff} | {detectable} | {p_cell(h)} | {seeds} | {design} | {r.scale} |")
-    L += ["", ("Per sweep: runs, CPU time (the members' wall time summed; two ran at a time on 2 cores), the best "
-               "cell (mean over seeds), and the bar a bag of words sets on the same splits (TF-IDF + logistic "
-               "regression, `mhalab-baseline data=<set>`):"), "",
-          "| data set | preset | runs (finished) | CPU time | best cell: val / test acc | TF-IDF + LR: val / test | scale |",
-          "|---|---|---|---|---|---|---|"]
+                 f"**{v.verdict}** | {eff} | {detectable} | {p_cell(h)} | {seeds} | {design} | {r.scale} | "
+                 f"{r.cpu_h:.2f} |")
+    return L + [""]
+
+
+def _sweep_table(infos: list[dict], baselines: Path | None) -> list[str]:
+    """Per sweep: its cost, its best cell beside the bag-of-words bar, and the command that runs it again."""
+    L = ["## The sweeps", "",
+         ("Per sweep: runs, CPU time (the members' wall time summed; two ran at a time on 2 cores), the best "
+          "cell (mean over seeds; none where the top cells tie), the bar a bag of words sets on the same splits "
+          "(TF-IDF + logistic regression, `mhalab-baseline data=<set>`), and the command that runs it again (into "
+          "`multirun/<data set>/<preset>`; `make sweeps DATA=<set>` runs a data set's five and copies the reports "
+          "here; another regime's command is in its reports):"), "",
+         ("| data set | preset | runs (finished) | CPU time | best cell: val / test acc | TF-IDF + LR: val / test | "
+         "scale | command |"),
+         "|---|---|---|---|---|---|---|---|"]
     for i in infos:
         best = "–" if i["best"] is None else f"{i['best'][0]}: {i['best'][1] * 100:.1f} / {i['best'][2] * 100:.1f}"
+        command = "–" if regime(i["data"]) else f"`mhalab-train sweep={i['preset']} data={i['data']}`"
         L.append(f"| {i['data']} | {i['preset']} | {i['runs']} ({i['finished']}) | {i['cpu_h']:.2f} h | {best} | "
-                 f"{_baseline(baselines, i['dataset'])} | {i['scale']} |")
-    L += ["", f"At the article's width on a GPU: {GPU_PRESETS}, then `mhalab-report` on the sweep dir.", ""]
-    return "\n".join(L)
+                 f"{_baseline(baselines, i['dataset'])} | {i['scale']} | {command} |")
+    return L + ["", f"At the article's width on a GPU: {GPU_PRESETS}, then `mhalab-report` on the sweep dir.", ""]
 
 
 @dataclass
