@@ -234,3 +234,16 @@ def test_a_comparison_states_its_detectable_effect_from_the_seed_variance():
     comp = compare(claimed, other, 1.0, 1.0)
     assert comp.test == "paired" and comp.detectable == pytest.approx(detectable_effect(comp.se, 4))
     assert comp.detectable > comp.ci_high - comp.effect  # above the interval's half-width (95% -> 80% power)
+
+
+def test_a_claim_with_several_alternatives_states_the_detectable_effect_at_holms_strictest_step():
+    rng = np.random.default_rng(5)
+    seeds = pd.RangeIndex(5)
+    claimed = _fast_group(0.80 + rng.normal(0, 0.01, 5), seeds)
+    alts = [_fast_group(0.79 + rng.normal(0, 0.01, 5), seeds) for _ in range(3)]
+    _, _, comps = claim_verdict(claimed, alts, 1.0, MARGIN)
+    for comp in comps:  # found at 0.05 / 3, whatever the other comparisons do: larger than a lone test's
+        assert comp.detectable == pytest.approx(detectable_effect(comp.se, comp.df, alpha=0.05 / 3))
+        assert comp.detectable > detectable_effect(comp.se, comp.df)
+    (alone,) = claim_verdict(claimed, alts[:1], 1.0, MARGIN)[2]
+    assert alone.detectable == pytest.approx(detectable_effect(alone.se, alone.df))  # one alternative: at 0.05

@@ -117,8 +117,8 @@ def render(root: Path, margin: float | None = None, baselines: Path | None = Non
             f"within ±{margin_units(METRIC, margin) * scale:g} point, Holm across a claim's alternatives. Effect = "
             "claimed − the closest alternative (its best competitor), in points of validation accuracy, with its 95% CI. "
             "Detectable = the smallest true effect a two-sided 5% test of that comparison finds with 80% power, from its "
-            "observed seed variance (stats.detectable_effect; before Holm, so a claim with several alternatives needs "
-            "somewhat more): an inconclusive row rules out no effect smaller than that.")
+            "observed seed variance (stats.detectable_effect; at 5% / m for a claim with m alternatives, Holm's strictest "
+            "step): an inconclusive row rules out no effect smaller than that.")
     L = ["# The article's claims, tested", "", rule, ""]
     for label in sorted({regime(r.data) for r in rows}):  # the data sets' own scale first, then other regimes
         if label:

@@ -165,7 +165,8 @@ def render_markdown(df: pd.DataFrame, summary: pd.DataFrame, verdicts: list[Verd
           "members of a compared group did not learn (validation accuracy at the majority class's level, or one class "
           "predicted), or every member has the same value. Effect = claimed − "
           "alternative (> 0: claimed better) with its two-sided 95% CI; detectable = the smallest true effect that "
-          f"comparison finds with 80% power at {ALPHA:g} (from its seed variance; an inconclusive verdict rules out "
+          f"comparison finds with 80% power at {ALPHA:g} / m for m alternatives, Holm's strictest step (from its seed "
+          "variance; an inconclusive verdict rules out "
           "no effect below it). Other swept variables are averaged over "
           "(marginal means; 'also varies' flags confounds); a swept lr is tuned per group (its best on "
           "validation)."), ""]

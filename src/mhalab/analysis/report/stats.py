@@ -215,7 +215,9 @@ class Comparison:
     p_equivalent: float = math.nan
     p_diff_holm: float = math.nan  # Holm-corrected across the claim's alternatives
     p_equivalent_holm: float = math.nan
-    detectable: float = math.nan  # the smallest true effect this design finds with 80% power (detectable_effect)
+    # the smallest true effect this design finds with 80% power (detectable_effect): at ALPHA for one comparison, at
+    # Holm's strictest step ALPHA / m when a claim has m tested alternatives (claim_verdict)
+    detectable: float = math.nan
     outcome: str = UNCLEAR
 
 
@@ -289,6 +291,11 @@ def claim_verdict(claimed: GroupStats, alternatives: list[GroupStats], sign: flo
     for key in ("p_diff", "p_equivalent"):
         for comp, p in zip(comps, holm([getattr(x, key) for x in comps])):
             setattr(comp, f"{key}_holm", p)
+    tested = sum(math.isfinite(c.p_diff) for c in comps)
+    if tested > 1:  # Holm's strictest step, ALPHA / m: an effect this large is found whatever the others' order
+        for comp in comps:
+            if math.isfinite(comp.detectable):
+                comp.detectable = detectable_effect(comp.se, comp.df, alpha=ALPHA / tested)
     for comp in comps:
         if comp.p_equivalent_holm < ALPHA:
             comp.outcome = EQUIVALENT
