@@ -61,7 +61,7 @@ def _member_dir(override_dirname: str) -> str:
     name = override_dirname.replace(os.sep, "_") or "default"
     if len(name) <= MEMBER_DIR_MAX:
         return name
-    swept, shared = _split_swept(override_dirname)
+    swept, shared = _split_swept()
     if swept and shared:
         rest = hashlib.sha1(",".join(shared).encode()).hexdigest()[:8]
         short = ",".join(swept).replace(os.sep, "_") + f",~{rest}"
@@ -70,7 +70,7 @@ def _member_dir(override_dirname: str) -> str:
     return f"{name[:100]}-{hashlib.sha1(name.encode()).hexdigest()[:10]}"
 
 
-def _split_swept(override_dirname: str) -> tuple[list[str], list[str]]:
+def _split_swept() -> tuple[list[str], list[str]]:
     """This job's overrides as (swept, shared by every member): swept are the keys the sweep's command line sweeps
     (its multirun.yaml, written before any member starts) and the sweeper's params (the sweep= presets, Optuna's
     search space). ([], []) outside a multirun."""
