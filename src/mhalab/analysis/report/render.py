@@ -115,8 +115,9 @@ def render_markdown(df: pd.DataFrame, summary: pd.DataFrame, verdicts: list[Verd
     if metric != "val/acc":
         head.insert(2, f"{metric}{' (×100)' if scale == 100 else ''}")
     L += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for i, r in summary.iterrows():
-        name = f"**{_md(r['setting'])}**" if i == 0 and r["n"] > 0 else _md(r["setting"])
+    best_one = top_settings(summary)["setting"].tolist()
+    for _, r in summary.iterrows():  # the best setting in bold; none in a tie
+        name = f"**{_md(r['setting'])}**" if best_one == [r["setting"]] else _md(r["setting"])
         cells = [name, str(r["n"]), _pm(r["best_val_acc_mean"], r["best_val_acc_std"], 100, 2),
                  _pm(r["test_acc_mean"], r["test_acc_std"], 100, 2),
                  f"{r['wall_time_mean']:.0f}" if finite(r["wall_time_mean"]) else "–",
