@@ -7,12 +7,22 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, open_dict
 
 import mhalab.train.config  # noqa: F401  (registers the config resolvers)
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def nav_pages(items=None) -> list[str]:
+    """The documentation site's pages (paths under docs/), in mkdocs.yml's nav order."""
+    out = []
+    for item in yaml.safe_load((REPO / "mkdocs.yml").read_text())["nav"] if items is None else items:
+        value = next(iter(item.values())) if isinstance(item, dict) else item
+        out += nav_pages(value) if isinstance(value, list) else [value]
+    return out
 CONF = REPO / "src" / "mhalab" / "conf"
 SHARED_DATA = REPO.parent / "shared" / "data"
 

@@ -31,9 +31,8 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 from cli_driver import console_scripts
-from conftest import REPO
+from conftest import REPO, nav_pages
 
 from mhalab.train import record
 
@@ -42,14 +41,7 @@ README = REPO / "README.md"
 
 def documents() -> list[Path]:
     """README.md, then the site's pages in mkdocs.yml's nav order (not results/: records of long runs)."""
-    def pages(items) -> list[str]:
-        out = []
-        for item in items:
-            value = next(iter(item.values())) if isinstance(item, dict) else item
-            out += pages(value) if isinstance(value, list) else [value]
-        return out
-    nav = yaml.safe_load((REPO / "mkdocs.yml").read_text())["nav"]
-    return [README, *(REPO / "docs" / p for p in pages(nav) if not p.startswith("results/"))]
+    return [README, *(REPO / "docs" / p for p in nav_pages() if not p.startswith("results/"))]
 
 
 DOCUMENTS = documents()

@@ -351,7 +351,7 @@ def test_models_that_predict_one_class_get_no_verdict_and_no_best_setting(tmp_pa
     assert "Best setting" not in report.split("## Best setting")[1].split("##")[0].replace("No best setting", "")
 
 
-def test_a_member_that_learned_is_not_flagged(tmp_path: Path) -> None:
+def test_a_member_that_learned_is_not_flagged() -> None:
     df = pd.DataFrame({"best_val_acc": [0.80, 0.53, 0.70], "val_majority_acc": [0.52, 0.52, 0.52],
                        "val_classes_predicted": [2, 2, 1]})
     assert not_learned_mask(df).tolist() == [False, True, True]  # learned; at the majority's level; one class

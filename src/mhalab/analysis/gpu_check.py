@@ -353,8 +353,8 @@ def part_bundle(bundle: Path, sizes: Sizes, dry_run: bool) -> dict:
 
 
 def cuda_test_files(tests: str) -> list[str]:
-    """The test files that mark a test `cuda` (pytest.mark.cuda): collecting only these spares the import of every
-    other module (a third of the dry run's time); a directory's other files hold no CUDA test."""
+    """The test files that mark a test `cuda` (pytest.mark.cuda): collecting only these spares importing every other
+    test module on the GPU machine; a directory's other files hold no CUDA test."""
     root = Path(tests)
     if root.is_file():
         return [str(root)]

@@ -90,9 +90,8 @@ def best_checkpoint(run_dir: str | Path) -> Path:
     return here if here.is_file() else resolve(best)
 
 
-def describe(path: str | Path) -> str:
-    """What a resolved checkpoint is, for the line that says which one a command used."""
-    step = meta(path)["global_step"]
+def describe(path: str | Path, step: int) -> str:
+    """What a resolved checkpoint is (Loaded.path and .step), for the line that says which one a command used."""
     kind = "last" if Path(path).name == LAST else "the best by val/acc"
     return f"{path} ({kind}, step {step:,})"
 
@@ -183,6 +182,7 @@ class Loaded:
     label_names: list[str] | None  # class i's name, or None when the checkpoint has none
     data: dict  # the data config the model was trained with (checkpoint["mhalab"]["data"])
     max_len: int  # texts are truncated to this many ids, as in training
+    step: int = 0  # the training step it was saved at
 
     def label(self, i: int) -> str:
         return self.label_names[i] if self.label_names and i < len(self.label_names) else str(i)
@@ -236,4 +236,4 @@ def load_model(ckpt_path: str | Path, device: str = "cpu", which: str = "best") 
     if not max_len:
         raise CheckpointError(f"ckpt_path={path} records no max_len (no data config, no model.max_len); pass a "
                               f"checkpoint from a run's {CHECKPOINT_DIR}/ dir.")
-    return Loaded(path, module, load_tokenizer(tokenizer), names, data, int(max_len))
+    return Loaded(path, module, load_tokenizer(tokenizer), names, data, int(max_len), int(ckpt.get("global_step", 0)))

@@ -41,7 +41,7 @@ def evaluate(ckpt_path: str | Path, split: str = "test", data_dir: str | None = 
                             enable_model_summary=False)
         result = trainer.test(loaded.module, dataloaders=loader, verbose=False)[0]
     # the module logs under "test/"; name the split that was really evaluated
-    return {"checkpoint": str(loaded.path), "split": split, "examples": len(encoded),
+    return {"checkpoint": str(loaded.path), "step": loaded.step, "split": split, "examples": len(encoded),
             **{k.replace("test/", f"{split}/"): float(v) for k, v in result.items()},
             "classes": loaded.module.class_reports["test"]}  # per class, by the checkpoint's label names
 
@@ -87,7 +87,7 @@ def command(cfg: DictConfig) -> dict:
         raise ConfigError(f"batch_size={batch_size!r} must be a positive integer.")
     res = evaluate(str(cfg.ckpt_path), str(cfg.split), cfg.data_dir, int(batch_size) if batch_size else None,
                    str(cfg.checkpoint))
-    print(f"checkpoint: {checkpoint.describe(res['checkpoint'])}")
+    print(f"checkpoint: {checkpoint.describe(res['checkpoint'], res['step'])}")
     table = Table(title=f"{res['split']} ({res['examples']} examples)")
     table.add_column("metric")
     table.add_column("value")

@@ -128,7 +128,7 @@ def command(cfg: DictConfig) -> None:
         raise ConfigError(f"batch_size={batch_size!r} must be a positive integer, e.g. 64.")
     texts = read_texts(str(cfg.input), cfg.text_column)  # before the model: a bad input costs nothing
     loaded = checkpoint.load_model(str(cfg.ckpt_path), str(cfg.device), str(cfg.checkpoint))
-    print(f"checkpoint: {checkpoint.describe(loaded.path)}", file=sys.stderr)  # stdout may be the predictions
+    print(f"checkpoint: {checkpoint.describe(loaded.path, loaded.step)}", file=sys.stderr)  # stdout may be the predictions
     show = cfg.progress if cfg.progress is not None else cfg.output is not None or sys.stderr.isatty()
     if show:
         from rich.console import Console

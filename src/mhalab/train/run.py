@@ -323,7 +323,8 @@ def _fit_and_test_best(cfg: DictConfig, trainer: L.Trainer, dm, module: Classifi
             best.update({k: float(v) for k, v in test_res.items()})
     best["checkpoint"] = best_path  # what eval, predict and ensembles of this run dir load (checkpoint.best_checkpoint)
     if best_path:  # when it was saved: Lightning's epoch (0-based, as in its file name) and step
-        best.update(epoch=checkpoint.meta(best_path)["epoch"], step=checkpoint.meta(best_path)["global_step"])
+        saved = checkpoint.meta(best_path)
+        best.update(epoch=saved["epoch"], step=saved["global_step"])
     _write_class_reports(Path(trainer.default_root_dir), module, rec, tested=tested and best_path is not None)
     fit_total = sum(a.get("fit_time_s", 0.0) for a in rec.get("attempts", [])) or fit_s
     stopper = trainer.early_stopping_callback  # callbacks=early_stopping

@@ -71,7 +71,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"checkpoint: {describe(loaded.path)}")
+    print(f"checkpoint: {describe(loaded.path, loaded.step)}")
     print(f"{res['layers']} layers x {res['heads']} heads over {len(res['tokens'])} positions; "
           f"prediction {res['prediction']}; wrote {res['out']}")
     return 0
