@@ -19,10 +19,12 @@ import re
 import zlib
 from contextlib import contextmanager
 from pathlib import Path
-
-import datasets
+from typing import TYPE_CHECKING
 
 from mhalab.errors import ConfigError, DataError
+
+if TYPE_CHECKING:
+    import datasets
 
 log = logging.getLogger(__name__)
 
@@ -279,7 +281,12 @@ def load_table(
     """One file as a `datasets.Dataset`. CSV columns are all read as strings with no NA parsing:
     a label that is not an int must reach our own check (which names the row), and a text such as
     'null' or 'NA' must stay a text. What the readers raise about the file (a truncated gzip stream,
-    a byte not valid in `encoding`, a row with too many fields) becomes a DataError naming it."""
+    a byte not valid in `encoding`, a row with too many fields) becomes a DataError naming it.
+
+    `datasets` is imported here, not at the top: a run whose splits are already encoded (the cache) never reads a
+    file, and the import costs ~0.2 s in every process."""
+    import datasets
+
     kwargs = {}
     if format == "csv":
         kwargs = {"delimiter": delimiter, "quoting": quoting, "na_filter": False, "encoding": encoding}
