@@ -3,6 +3,7 @@ for each data.batching: length-bucketed, plain shuffled (padded), and packed (sh
 
     python scripts/throughput.py [steps=40] [data=[sst2,imdb]] [out=results/bench/throughput.md] [device=cpu]
     python scripts/throughput.py compile=true modes=[bucketed,packed]   # compile=true's model beside eager
+    python scripts/throughput.py adamw_loop=true                        # fused AdamW beside PyTorch's CPU loop
 
 Each mode trains its own copy of the same model (the default custom encoder, same initial weights) on real
 batches from the data set, called as the LightningModule calls it (with the collate's seqlens), timing
@@ -27,6 +28,7 @@ from mhalab.data import TextClassificationDataModule
 from mhalab.errors import ConfigError, one_line_errors
 from mhalab.model import SequenceClassifier
 from mhalab.train.config import CONF_DIR  # (and registers the configs' resolvers)
+from mhalab.train.module import FUSED_ADAMW
 
 MODES = ("bucketed", "shuffled", "packed")  # data.batching
 SIZES = {"sst2": {"batch_size": 64, "max_len": 64}, "imdb": {"batch_size": 32, "max_len": 512}}
@@ -36,7 +38,7 @@ WARMUP, CHUNK = 5, 5
 class _Mode:
     """One batching mode's loader, model and optimizer, stepped a few batches at a time."""
 
-    def __init__(self, data: str, mode: str, device: str, compiled: bool = False):
+    def __init__(self, data: str, mode: str, device: str, compiled: bool = False, fused: bool = True):
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
             cfg = compose("train", overrides=[f"data={data}", "paths.output_dir=/tmp"])
         kwargs = {k: v for k, v in dict(cfg.data).items() if k != "_target_"}
@@ -50,9 +52,10 @@ class _Mode:
                                         max_len=SIZES[data]["max_len"]).to(device)
         if compiled:
             self.model.compile_positionwise()
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
+        # fused where a run fuses it (FUSED_ADAMW); fused=False: PyTorch's per-parameter loop, the CPU default
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3, fused=fused and device in FUSED_ADAMW)
         self.batches, self.device = iter(dm.train_dataloader()), device
-        self.data, self.mode, self.compiled = data, mode, compiled
+        self.data, self.mode, self.compiled, self.fused = data, mode, compiled, fused
         self.seconds = self.real = self.pads = self.steps = 0
 
     def run(self, steps: int, timed: bool = True) -> None:
@@ -78,13 +81,17 @@ class _Mode:
             self.real, self.pads, self.steps = self.real + real, self.pads + pads, self.steps + steps
 
     def row(self) -> dict:
-        return {"data": self.data, "mode": self.mode, "compiled": self.compiled, "tokens_per_s": self.real / self.seconds,
+        return {"data": self.data, "mode": self.mode, "compiled": self.compiled, "fused": self.fused,
+                "tokens_per_s": self.real / self.seconds,
                 "padding_fraction": self.pads / (self.real + self.pads), "s_per_step": self.seconds / self.steps}
 
 
-def measure(data: str, steps: int, device: str, modes: list[str] = MODES, compiled: bool = False) -> list[dict]:
-    """Every mode on `data` (and its compiled copy), interleaved CHUNK steps at a time, `steps` timed steps each."""
-    modes = [_Mode(data, m, device, c) for m in modes for c in ((False, True) if compiled else (False,))]
+def measure(data: str, steps: int, device: str, modes: list[str] = MODES, compiled: bool = False,
+            adamw_loop: bool = False) -> list[dict]:
+    """Every mode on `data` (and its compiled copy, and its copy with AdamW's loop), interleaved CHUNK steps at a
+    time, `steps` timed steps each."""
+    variants = [(False, True), *([(True, True)] if compiled else []), *([(False, False)] if adamw_loop else [])]
+    modes = [_Mode(data, m, device, c, f) for m in modes for c, f in variants]
     for m in modes:
         m.run(WARMUP, timed=False)
     for start in range(0, steps, CHUNK):
@@ -101,6 +108,8 @@ class ThroughputConfig:
     out: str | None = field(default=None, metadata=doc("write the markdown table here"))
     modes: list[str] = field(default_factory=lambda: list(MODES), metadata=doc(f"data.batching modes, of {MODES}"))
     compile: bool = field(default=False, metadata=doc("also time each mode compiled as compile=true compiles it"))
+    adamw_loop: bool = field(default=False, metadata=doc("also time each mode with AdamW's per-parameter loop "
+                                                         "(PyTorch's CPU default) instead of its fused kernel"))
 
 
 @one_line_errors
@@ -111,18 +120,20 @@ def main(argv=None) -> None:
     if bad or not args.data or not args.modes or args.steps < 1:
         raise ConfigError(f"data={args.data} must list some of {sorted(SIZES)}, modes={args.modes} some of "
                           f"{list(MODES)}, and steps={args.steps} be >= 1.")
-    rows = [r for d in args.data for r in measure(d, args.steps, args.device, args.modes, args.compile)]
+    rows = [r for d in args.data for r in measure(d, args.steps, args.device, args.modes, args.compile, args.adamw_loop)]
     lines = [(f"Training throughput, default custom encoder, {args.device}, {args.steps} steps per mode, "
               f"interleaved {CHUNK} at a time (`python scripts/throughput.py "
               f"{' '.join(sys.argv[1:] if argv is None else argv) or f'steps={args.steps}'}`)"), "",
-             ("| data (batch, max_len) | batches | compiled | real tokens/s | vs eager | vs bucketed | padding fraction "
-              "| s/step |"), "|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        first = next(b for b in rows if b["data"] == r["data"] and not b["compiled"])
-        eager = next(b for b in rows if b["data"] == r["data"] and b["mode"] == r["mode"] and not b["compiled"])
+             ("| data (batch, max_len) | batches | compiled | AdamW | real tokens/s | vs eager | vs bucketed "
+              "| padding fraction | s/step |"), "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:  # beside the eager, fused row of its data (and mode)
+        first = next(b for b in rows if b["data"] == r["data"] and not b["compiled"] and b["fused"])
+        eager = next(b for b in rows if b["data"] == r["data"] and b["mode"] == r["mode"] and not b["compiled"]
+                     and b["fused"])
         size = SIZES[r["data"]]
         lines.append(f"| {r['data']} ({size['batch_size']}, {size['max_len']}) | {r['mode']} | "
-                     f"{'yes' if r['compiled'] else 'no'} | {r['tokens_per_s']:,.0f} | "
+                     f"{'yes' if r['compiled'] else 'no'} | {'fused' if r['fused'] else 'loop'} | "
+                     f"{r['tokens_per_s']:,.0f} | "
                      f"{r['tokens_per_s'] / eager['tokens_per_s']:.2f}x | "
                      f"{r['tokens_per_s'] / first['tokens_per_s']:.2f}x | "
                      f"{100 * r['padding_fraction']:.1f}% | {r['s_per_step']:.3f} |")

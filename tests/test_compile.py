@@ -7,10 +7,14 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
+import torch.nn.functional as F
 from conftest import compose_train
 from torch._dynamo.utils import counters
 
+from mhalab.model import SequenceClassifier
+from mhalab.nn.varlen import SeqLens
 from mhalab.train.module import Classifier
 from mhalab.train.run import run
 
@@ -44,3 +48,50 @@ def test_compiled_model_keeps_the_eager_models_parameters_and_state_dict_keys():
     compiled = Classifier(**kwargs, compile=True)
     a, b = eager.state_dict(), compiled.state_dict()
     assert list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in a)  # a checkpoint loads into either
+
+
+def _train_losses(compiled: bool, packed: bool, steps: int = 30) -> tuple[list[float], dict]:
+    """`steps` AdamW steps with dropout 0.1 on batches of 8 random sequences of 2-24 tokens, right-padded (or
+    packed with their seqlens, as the collate gives them), the same draws for both models."""
+    torch.manual_seed(0)
+    model = SequenceClassifier(100, 3, dim=32, heads=4, layers=2, ff_dim=128, dropout=0.1, max_len=32)
+    if compiled:
+        model.compile_positionwise()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    data = torch.Generator().manual_seed(1)
+    torch.manual_seed(2)  # the dropout masks' draws
+    losses = []
+    for _ in range(steps):
+        lengths = torch.randint(2, 25, (8,), generator=data).tolist()
+        ids = torch.zeros(8, max(lengths), dtype=torch.long)  # (B, L), pad id 0 after each sequence
+        for i, n in enumerate(lengths):
+            ids[i, :n] = torch.randint(4, 100, (n,), generator=data)
+        labels = torch.randint(0, 3, (8,), generator=data)
+        logits = model(ids, ids == 0, seqlens=SeqLens(lengths) if packed else None)  # (B, C)
+        loss = F.cross_entropy(logits, labels)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, model.state_dict()
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_compiled_training_draws_the_same_dropout_and_gives_the_eager_numbers(packed):
+    # Inductor's own generator would draw other dropout masks (the losses then differ by ~0.1 within 30 steps);
+    # fallback_random keeps PyTorch's, so compile=true changes the speed of a run, not its numbers
+    torch._dynamo.reset()
+    eager, eager_state = _train_losses(compiled=False, packed=packed)
+    compiled, compiled_state = _train_losses(compiled=True, packed=packed)
+    assert max(abs(a - b) for a, b in zip(eager, compiled)) < 1e-5, (eager, compiled)
+    # the trained weights: Adam divides each update by the gradient's running scale, so a weight whose gradients
+    # are ~0 moves by lr per step either way and float rounding picks the direction; compare what they compute
+    torch.manual_seed(3)
+    probe = torch.randint(4, 100, (16, 20))
+    outputs = []
+    for state in (eager_state, compiled_state):
+        model = SequenceClassifier(100, 3, dim=32, heads=4, layers=2, ff_dim=128, dropout=0.1, max_len=32).eval()
+        model.load_state_dict(state)
+        outputs.append(model(probe).softmax(-1))
+    assert (outputs[0] - outputs[1]).abs().max() < 1e-4
+    assert len(set(eager)) > 20  # the batches (and losses) vary: the comparison is not of one repeated step

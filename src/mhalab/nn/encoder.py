@@ -191,8 +191,12 @@ class TransformerEncoderLayer(nn.Module):
         """torch.compile the position-wise half (`_after_attention`): one graph for any number of tokens (dynamic
         shapes), padded or packed. Attention stays eager: its calls are planned per batch from the lengths, which
         a graph would have to guard on (whole-model compile recompiled every few batches and then failed).
-        Parameters and state_dict keys are unchanged."""
-        self._after_attention = torch.compile(self._after_attention, dynamic=True)
+        Parameters and state_dict keys are unchanged.
+
+        Dropout draws from PyTorch's generator, as it does uncompiled (Inductor's fallback_random): the same seed
+        gives the same masks, so a compiled run's numbers are the eager run's (tests/test_compile.py), and on CPU
+        PyTorch's bernoulli is faster than the generator Inductor writes into its kernels (results/bench/compile.md)."""
+        self._after_attention = torch.compile(self._after_attention, dynamic=True, options={"fallback_random": True})
 
     def _ff(self, x: Tensor) -> Tensor:
         """self.ffn(x): Linear -> activation -> Dropout -> Linear. Without autograd (eval, inference) the
