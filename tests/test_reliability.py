@@ -68,6 +68,33 @@ def _sweep(tmp_path, data, *overrides) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=900)
 
 
+@pytest.mark.parametrize("shared, expected", [
+    (["data=trec"], "heads=2,seed=0,data=trec"),  # Hydra's own name, sorted, would be data=trec,heads=2,seed=0
+    ([f"++trainer.limit_{s}_batches=20" for s in ("train", "val", "test")] + ["dropout=0.25", "lr=0.002"],
+     "heads=2,seed=0,~"),  # too long: the shared part goes into a hash
+], ids=["short", "long"])
+def test_a_member_dir_name_starts_with_the_swept_values(tmp_path, shared, expected):
+    from hydra import compose, initialize_config_dir
+    from hydra.core.hydra_config import HydraConfig
+
+    from mhalab.train.config import CONF_DIR, MEMBER_DIR_MAX, _member_dir
+
+    sweep = tmp_path / "sweep"
+    sweep.mkdir()  # what Hydra writes before the first member starts: the command line's overrides
+    (sweep / "multirun.yaml").write_text(json.dumps({"hydra": {"overrides": {"task": ["heads=1,2", "seed=0,1",
+                                                                                    *shared]}}}))
+    member = ["heads=2", "seed=0", *shared]
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("train", overrides=[*member, f"hydra.sweep.dir={sweep}"], return_hydra_config=True)
+    HydraConfig.instance().set_config(cfg)
+    try:
+        name = _member_dir(",".join(sorted(member)))  # Hydra's override_dirname
+    finally:
+        HydraConfig.instance().cfg = None  # as outside a Hydra job, for the tests after this one
+    assert name.startswith(expected) and len(name) <= MEMBER_DIR_MAX, name
+    assert len(name) == len(expected) + (8 if expected.endswith("~") else 0)
+
+
 def test_sweep_with_an_invalid_member_finishes_the_rest_reports_and_reruns_skip_finished(tmp_path,
                                                                                            toy_data_dir):
     # the limits make every member's overrides longer than a dir name may be: the names keep the swept value whole,

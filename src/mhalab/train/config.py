@@ -55,13 +55,14 @@ MEMBER_DIR_MAX = 120  # characters of a member dir's name (file systems allow 25
 
 def _member_dir(override_dirname: str) -> str:
     """A sweep member's dir name from its overrides (Hydra's override_dirname: sorted, `,`-joined): one path
-    component. Past MEMBER_DIR_MAX characters it keeps the swept values, first and whole, and stands for the
-    overrides every member shares by a hash of them (`heads=4,seed=0,~3f2a91c0`): two sweeps that differ in those
-    never share a member's dir."""
-    name = override_dirname.replace(os.sep, "_") or "default"
+    component, the swept values first (`heads=4,seed=0,data=trec`). Past MEMBER_DIR_MAX characters it keeps the
+    swept values whole and stands for the overrides every member shares by a hash of them (`heads=4,seed=0,~3f2a91c0`):
+    two sweeps that differ in those never share a member's dir."""
+    swept, shared = _split_swept()
+    name = ",".join(swept + shared) if swept else override_dirname  # (the same overrides, swept ones first)
+    name = name.replace(os.sep, "_") or "default"
     if len(name) <= MEMBER_DIR_MAX:
         return name
-    swept, shared = _split_swept()
     if swept and shared:
         rest = hashlib.sha1(",".join(shared).encode()).hexdigest()[:8]
         short = ",".join(swept).replace(os.sep, "_") + f",~{rest}"
