@@ -114,6 +114,9 @@ def test_sweep_with_an_invalid_member_finishes_the_rest_reports_and_reruns_skip_
     report = (sweep / "report.md").read_text()
     assert "heads=4 does not divide dim=30" in report and "Every member: `" in report
     assert "++trainer.limit_train_batches=3" in report.split("Every member: `")[1].split("`")[0]
+    # Lightning's lines: once each on the console (not also through its own handler), and in the run's cli.log
+    said = [line for line in (proc.stdout + proc.stderr).splitlines() if "GPU available: " in line]
+    assert len(said) == 1 and said[0].startswith("[") and "GPU available: " in (good / "cli.log").read_text(), said
 
     finished_before = (good / "metrics.json").read_text()
     ckpts_before = sorted(p.name for p in (good / "checkpoints").iterdir())

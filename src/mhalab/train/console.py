@@ -38,12 +38,26 @@ class _DropNoise(logging.Filter):
         return not str(rec.msg).startswith(LIGHTNING_NOISE)
 
 
+# Lightning's loggers, which get console handlers of their own at import (lightning: always; lightning.pytorch
+# and lightning.fabric: when the root logger has none yet, and then they stop propagating)
+LIGHTNING_LOGGERS = ("lightning", "lightning.pytorch", "lightning.fabric")
+
+
 @contextlib.contextmanager
 def quiet() -> Iterator[None]:
     """For the length of a run: Lightning's tips and notes about its defaults, and the warnings listed above, are
-    not shown. Everything else (and every real warning) is."""
+    not shown. Everything else (and every real warning) is.
+
+    Where the root logger has handlers (a Hydra job: the console and the run's cli.log), Lightning's lines go
+    through those only: with its own handlers as well, each line was printed twice in a sweep, and a run's cli.log
+    missed them."""
     noise, logger = _DropNoise(), logging.getLogger("lightning.pytorch.utilities.rank_zero")
     logger.addFilter(noise)
+    routed = [logging.getLogger(n) for n in LIGHTNING_LOGGERS] if logging.getLogger().handlers else []
+    saved = [(lg, lg.handlers[:], lg.propagate) for lg in routed]
+    for lg in routed:
+        lg.handlers.clear()
+        lg.propagate = True
     try:
         with warnings.catch_warnings():
             for message in WARNING_NOISE:
@@ -51,6 +65,8 @@ def quiet() -> Iterator[None]:
             yield
     finally:
         logger.removeFilter(noise)
+        for lg, handlers, propagate in saved:
+            lg.handlers[:], lg.propagate = handlers, propagate
 
 
 def duration(seconds: float) -> str:
