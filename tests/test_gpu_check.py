@@ -88,6 +88,17 @@ def test_dry_run_training_ran_the_steps_asked(dry_run):
     assert t["step_ms"] == pytest.approx(t["fit_time_s"] / 8 * 1e3)
 
 
+def test_parts_with_too_little_left_of_the_budget_are_skipped_and_say_why(tmp_path, capsys):
+    # what a check that overran its budget writes: every part recorded, none started past the budget
+    assert gc.main(["--cpu", "--budget", "0", "--out", str(tmp_path / "out"), "--bundle", str(tmp_path / "none")]) == 0
+    result = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
+    assert list(result["parts"]) == ["bundle", "cuda_tests", "bench", "train", "imdb", "heads"]
+    assert {p["status"] for p in result["parts"].values()} == {"skipped"}
+    assert result["parts"]["imdb"]["figures"]["reason"] == "0 s left of the check's 0 s budget"
+    assert "heads: skipped (0 s left of the check's 0 s budget)" in capsys.readouterr().err
+    assert gc.GPU.budget_s + 60 <= 600  # a device call lasts 10 min at most; a minute for the machine's start
+
+
 def test_without_cuda_the_real_check_refuses_in_one_line(capsys):
     assert gc.main([]) == 2
     err = capsys.readouterr().err.strip().splitlines()

@@ -45,8 +45,9 @@ the exit code is 1 if any part failed):
               bf16) with heads 1, 4, 16, one seed, 20 s of training each, then mhalab-report's verdicts
               (with one seed they say so: no seed noise to measure); each member's dev acc and memory.
 After every part the json and md are written (and copied to $OUT): a time-out loses nothing already measured.
-Time: about 8.5 min on one H200 by estimate, 12 min at most by the parts' time limits (see GPU / CPU below);
-never measured on one yet.
+Time: about 8.5 min on one H200 by estimate (never measured on one yet), 9 min at most: each part's own limit
+(GPU / CPU below) is cut to what is left of the check's budget (Sizes.budget_s, --budget), and a part with less
+than MIN_PART_S left is skipped, saying so, so that the check ends inside one device call of 10 min.
 """
 
 from __future__ import annotations
@@ -114,6 +115,10 @@ class Sizes:
     heads_timeout: int = 0
     imdb_overrides: tuple[str, ...] = ()  # IMDB at the article's width: masked-LM self-pretraining, then fine-tuning
     imdb_timeout: int = 0
+    budget_s: int = 540  # the whole check: each part's limit is cut to what is left of it
+
+
+MIN_PART_S = 20  # a part with less left of the budget is skipped: it could not finish
 
 
 GPU = Sizes(768, 12, 3072, 4, 512, 16, reps=20, warmup=3,
@@ -137,7 +142,7 @@ CPU = Sizes(64, 2, 256, 2, 64, 4, reps=3, warmup=1,
             imdb_overrides=("data=imdb", "trainer=cpu", "dim=64", "heads=2", "layers=1", "max_len=64",
                             "batch_size=16", "max_epochs=1", "++trainer.max_steps=4", "pretrain=mlm",
                             "pretrain.epochs=1", "data.vocab_size=200", "data.min_frequency=1"),
-            imdb_timeout=120)
+            imdb_timeout=120, budget_s=900)
 
 
 def peak_tflops(device_name: str) -> float | None:
@@ -610,9 +615,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data", type=Path, help="data dir holding sst2/ (default: the bundle's; --cpu: a toy set "
                    "when no bundle is there)")
     p.add_argument("--tests", default="tests/", help="what pytest -m cuda collects (default tests/)")
+    p.add_argument("--budget", type=int, help=f"seconds for the whole check (default {GPU.budget_s}; --cpu: "
+                   f"{CPU.budget_s}): each part's limit is cut to what is left, and a part with under "
+                   f"{MIN_PART_S} s left is skipped")
     a = p.parse_args(argv)
     t0 = time.perf_counter()
     sizes = CPU if a.cpu else GPU
+    if a.budget is not None:
+        sizes = dataclasses.replace(sizes, budget_s=a.budget)
     import torch
 
     if not a.cpu and not torch.cuda.is_available():
@@ -647,23 +657,31 @@ def main(argv: list[str] | None = None) -> int:
                 if f.exists():
                     shutil.copy(f, Path(back) / f.name)
 
-    parts["bundle"] = run_part("bundle", part_bundle, a.bundle, sizes, a.cpu)
+    def part(name: str, fn, *args, limit: str | None) -> None:
+        """Run one part within what is left of the budget (Sizes' `limit` field cut to it), then save."""
+        left = int(t0 + sizes.budget_s - time.perf_counter())
+        if left < MIN_PART_S:
+            reason = f"{max(left, 0)} s left of the check's {sizes.budget_s} s budget"
+            parts[name] = {"status": "skipped", "figures": {"status": "skipped", "reason": reason}, "error": None,
+                           "wall_s": 0.0}
+            print(f"[gpu-check] {name}: skipped ({reason})", file=sys.stderr, flush=True)
+        else:
+            cut = dataclasses.replace(sizes, **{limit: min(getattr(sizes, limit), left)}) if limit else sizes
+            parts[name] = run_part(name, fn, *(cut if x is sizes else x for x in args))
+        save()
+
+    part("bundle", part_bundle, a.bundle, sizes, a.cpu, limit="install_timeout")
     result["environment"] = environment(device_type)
     data = a.data or (a.bundle / "data" if (a.bundle / "data" / "sst2").is_dir() or not a.cpu
                       else write_toy_imdb(write_toy_sst2(work / "toy")))
     result["data"] = str(data)
     save()
-    parts["cuda_tests"] = run_part("cuda_tests", part_cuda_tests, a.tests, work, sizes, a.cpu)
-    save()
-    parts["bench"] = run_part("bench", part_bench, device_type, sizes,
-                              peak_tflops(result["environment"]["device_name"]) if not a.cpu else None)
-    save()
-    parts["train"] = run_part("train", part_train, data.resolve(), work, sizes)
-    save()
-    parts["imdb"] = run_part("imdb", part_imdb, data.resolve(), work, sizes)
-    save()
-    parts["heads"] = run_part("heads", part_heads, data.resolve(), work, sizes)
-    save()
+    part("cuda_tests", part_cuda_tests, a.tests, work, sizes, a.cpu, limit="tests_timeout")
+    part("bench", part_bench, device_type, sizes,  # (in this process: its reps, not a clock, bound it)
+         peak_tflops(result["environment"]["device_name"]) if not a.cpu else None, limit=None)
+    part("train", part_train, data.resolve(), work, sizes, limit="train_timeout")
+    part("imdb", part_imdb, data.resolve(), work, sizes, limit="imdb_timeout")
+    part("heads", part_heads, data.resolve(), work, sizes, limit="heads_timeout")
     print(f"[gpu-check] {result['wall_s']} s; failed: {result['failed'] or 'none'}; wrote {out}/gpu_check.json, "
           "gpu_check.md", file=sys.stderr)
     shutil.rmtree(work, ignore_errors=True)
@@ -686,7 +704,14 @@ def markdown(r: dict) -> str:
     for k, v in r["parts"].items():
         if v["error"]:
             lines += ["", f"{k} error:", "```", v["error"], "```"]
-    fig = lambda part: r["parts"].get(part, {}).get("figures") or {}  # a part not run yet: none
+    for k, v in r["parts"].items():
+        if v["status"] == "skipped" and v["figures"].get("reason"):
+            lines += ["", f"{k} skipped: {v['figures']['reason']}"]
+
+    def fig(part: str) -> dict:  # a part not run yet, or skipped: no figures
+        p = r["parts"].get(part, {})
+        return {} if p.get("status") == "skipped" else p.get("figures") or {}
+
     t = fig("cuda_tests")
     if t:
         lines += ["", (f"CUDA tests: {t['ran']} run, {t['passed']} passed, {t['failed']} failed, {t['errors']} errors, "
