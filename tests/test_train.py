@@ -231,3 +231,14 @@ def test_train_tokens_count_every_epoch_when_the_best_checkpoint_is_an_earlier_o
     per_epoch = int(sum(dm.splits["train"].lengths))
     assert rec["best"]["checkpoint"].split("/")[-1].startswith("epoch00")  # the earlier checkpoint was tested
     assert rec["train_tokens"] == 2 * per_epoch
+
+
+def test_an_epoch_shorter_than_the_logging_interval_still_logs_its_training_loss(tmp_path, toy_data_dir):
+    # 3 batches an epoch against an interval of 50: callbacks.LogEveryEpoch lowers it to 3, one point an epoch
+    # (Lightning alone logs none, and the run's loss curve has no training line)
+    cfg = compose_train(["max_epochs=2", "++trainer.limit_train_batches=3", "trainer.log_every_n_steps=50",
+                         "test_after_fit=false"], tmp_path / "out", toy_data_dir, tmp_path / "cache")
+    run(cfg)
+    log = pd.read_csv(tmp_path / "out" / "logs" / "metrics.csv")
+    train = log.dropna(subset=["train/loss"])
+    assert train["step"].tolist() == [2, 5], log
