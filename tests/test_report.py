@@ -7,6 +7,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -448,6 +449,25 @@ def test_verdicts_end_to_end(reported: tuple[Path, dict]) -> None:
     assert "paired t-test" in md and "Holm" in md and "TOST" in md  # the rule is stated
     saved = json.loads(res["verdicts_json"].read_text())
     assert saved["margin"] == 0.01 and [v["verdict"] for v in saved["verdicts"]] == list(res["verdict_by_claim"].values())
+
+
+def test_a_sweep_whose_members_are_gone_is_reported_again_from_its_results_csv(reported, tmp_path) -> None:
+    root, res = reported
+    copy = tmp_path / "copy"  # what results/ keeps of a sweep: its report's files, not its member dirs
+    copy.mkdir()
+    for name in ("results.csv", "val_loss_curves.png"):
+        shutil.copy(root / name, copy / name)
+    again = write_report(copy)
+    assert again["verdicts"] == res["verdicts"] and again["verdict_by_claim"] == res["verdict_by_claim"]
+    pd.testing.assert_frame_equal(again["summary"], res["summary"])
+    assert again["from_csv"] and again["plots"]["val_loss"].read_bytes() == (root / "val_loss_curves.png").read_bytes()
+    md = again["report_md"].read_text()
+    assert "Written from this dir's results.csv: its member dirs are gone" in md
+    # the same table rows as the report from the members
+    rows = [line for line in res["report_md"].read_text().splitlines() if line.startswith("| ")]
+    assert rows == [line for line in md.splitlines() if line.startswith("| ")]
+    with pytest.raises(NoMembersError, match="metric=val/f1 needs the members' metrics"):
+        write_report(copy, metric="val/f1")
 
 
 # --------------------------------------------------------------------------------------------------

@@ -11,6 +11,10 @@ writes into the multirun directory:
 * ``verdicts.json`` -- the verdicts with every comparison's numbers (mhalab.analysis.claims reads them).
 * ``val_loss_curves.png``, ``acc_vs_swept.png``, ``acc_vs_wall_time.png``.
 
+A dir whose members are gone but which holds a results.csv (a copy under results/) is reported again from that
+file, under the rules of the code that reads it (the validation curves' plot, which needs the members' logs, is
+left as it was).
+
 The rules live with the code that applies them: which directories are members and what a setting is
 (collect.py), the selection and verdict rules (stats.py), the claims (verdicts.py).
 """
@@ -27,7 +31,13 @@ from pathlib import Path
 import pandas as pd
 
 from mhalab.analysis.options import doc, parse, split_dir
-from mhalab.analysis.report.collect import RESULT_COLUMNS, NoMembersError, collect_results, setting_of
+from mhalab.analysis.report.collect import (
+    RESULT_COLUMNS,
+    NoMembersError,
+    collect_results,
+    results_from_csv,
+    setting_of,
+)
 from mhalab.analysis.report.plots import (
     PLOT_ACC_VS_SWEPT,
     PLOT_ACC_VS_WALL,
@@ -99,7 +109,15 @@ def write_report(multirun_dir: str | Path, metric: str = DEFAULT_METRIC, margin:
         raise ConfigError(f"metric={metric} is a test metric, and selecting by one would leak the test set "
                           "into the choice: give a validation metric (metric=val/acc or metric=val/loss)")
     root = Path(multirun_dir).resolve()
-    df = collect_results(root, metric)
+    from_csv = False
+    try:
+        df = collect_results(root, metric)
+    except NoMembersError:
+        if not (root / RESULTS_CSV).is_file():
+            raise
+        # the members are gone (a copy under results/): the report again from its results.csv, under today's
+        # rules; the validation curves need the members' logs, so their plot stays as it was
+        df, from_csv = results_from_csv(root / RESULTS_CSV, metric), True
     summary = summarize_settings(df, metric)
     if margin is not None and not margin > 0:
         raise ConfigError(f"margin={margin} must be > 0: the smallest difference that matters (default 1 point of "
@@ -110,8 +128,10 @@ def write_report(multirun_dir: str | Path, metric: str = DEFAULT_METRIC, margin:
     _for_csv(df[RESULT_COLUMNS]).to_csv(results_csv, index=False)
 
     plots: dict[str, Path] = {}
+    if from_csv and (root / PLOT_VAL_LOSS).is_file():
+        plots["val_loss"] = root / PLOT_VAL_LOSS
     for key, fname, fn in (
-        ("val_loss", PLOT_VAL_LOSS, lambda p: plot_val_loss_curves(df, p)),
+        *((("val_loss", PLOT_VAL_LOSS, lambda p: plot_val_loss_curves(df, p)),) if not from_csv else ()),
         ("acc_vs_swept", PLOT_ACC_VS_SWEPT, lambda p: plot_acc_vs_swept(df, summary, p)),
         ("acc_vs_wall_time", PLOT_ACC_VS_WALL, lambda p: plot_acc_vs_wall_time(df, p)),
     ):
@@ -140,6 +160,7 @@ def write_report(multirun_dir: str | Path, metric: str = DEFAULT_METRIC, margin:
         "report_md": report_md,
         "verdicts_json": verdicts_json,
         "plots": plots,
+        "from_csv": from_csv,
         "n_members": len(df),
         "n_finished": int(ok.sum()),
         "failed": [{k: (v if isinstance(v, str) else None) for k, v in rec.items()}
@@ -185,6 +206,6 @@ def main(argv: list[str] | None = None) -> int:
     print(f"wrote {res['results_csv']}")
     print(f"wrote {res['verdicts_json']}")
     print(f"wrote {res['report_md']}")
-    for path in res["plots"].values():
-        print(f"wrote {path}")
+    for key, path in res["plots"].items():
+        print(f"{'kept' if key == 'val_loss' and res['from_csv'] else 'wrote'} {path}")
     return 0

@@ -286,6 +286,30 @@ def collect_results(multirun_dir: str | Path, metric: str = DEFAULT_METRIC) -> p
     return df
 
 
+# the results.csv column that holds each metric a report can be re-written for from it alone
+CSV_MONITORED = {"val/acc": "best_val_acc", "val/loss": "best_val_loss"}
+
+
+def results_from_csv(path: Path, metric: str = DEFAULT_METRIC) -> pd.DataFrame:
+    """A results.csv (what write_report wrote) as collect_results gives it, for a sweep whose member dirs are gone
+    (a copy under results/): settings recomputed from each row's overrides with conf/train.yaml's keys that do not
+    change results, columns added since it was written left empty. metric: one the file holds (CSV_MONITORED)."""
+    if metric not in CSV_MONITORED:
+        raise NoMembersError(f"{path.parent} has no member dirs, and its {path.name} holds only "
+                             f"{', '.join(CSV_MONITORED)}: metric={metric} needs the members' metrics")
+    df = pd.read_csv(path, dtype={"member": str, "overrides": str, "setting": str, "status": str, "error": str})
+    for c in RESULT_COLUMNS:
+        if c not in df:
+            df[c] = np.nan
+    df["monitored"] = pd.to_numeric(df[CSV_MONITORED[metric]], errors="coerce")
+    df["setting"] = [setting_of(str(o).split(" ")) if isinstance(o, str) and o else s
+                     for o, s in zip(df["overrides"], df["setting"])]
+    df["setting"], common = without_common(df["setting"])
+    df = df[RESULT_COLUMNS].assign(_csv=None)
+    df.attrs.update(common=common, from_csv=True)
+    return df
+
+
 def without_common(settings: pd.Series) -> tuple[pd.Series, list[str]]:
     """Settings without the overrides every member shares (`heads=2`, not `++trainer.limit_train_batches=20 ...
     heads=2`), and those shared overrides. A sweep of one setting keeps its label whole."""

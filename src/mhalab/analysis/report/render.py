@@ -106,6 +106,11 @@ def render_markdown(df: pd.DataFrame, summary: pd.DataFrame, verdicts: list[Verd
           "never used for selection."), ""]
     if df.attrs.get("common"):  # left out of the setting labels below
         L += [f"Every member: `{' '.join(df.attrs['common'])}`.", ""]
+    if df.attrs.get("from_csv"):
+        missing = [c for c in ("val_majority_acc", "val_classes_predicted") if df[c].isna().all()]
+        L += [("Written from this dir's results.csv: its member dirs are gone"
+               + (f"; the file predates {', '.join(missing)}, so whether each model learned is not checked"
+                  if missing else "") + "."), ""]
     L += ["## Scale measured", ""] + _scale_lines(df) + [""]
 
     L += ["## Per-setting results (mean ± std over seeds)", ""]
