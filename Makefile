@@ -20,12 +20,13 @@ $(STAMP): pyproject.toml Makefile
 
 install: $(STAMP)
 
-# The suite runs one test file per worker (the README's commands run in order, in one file), a worker per core
+# The suite runs one test file per worker (the README's commands run in order, in one file), the longest files first
+# (tests/conftest.py: LONGEST_FIRST, hence --no-loadscope-reorder), a worker per core
 # with one thread each: two threads per process on a 2-core machine shared by two workers only spin-wait.
 TEST_WORKERS ?= 2
 
 test: $(STAMP)           ## the suite CI runs (make test TEST_WORKERS=0: in one process, in file order)
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 test-slow: $(STAMP)      ## the long tests (full training runs, multi-process)
 	$(BIN)/python -m pytest -q -m slow

@@ -23,6 +23,18 @@ def nav_pages(items=None) -> list[str]:
         value = next(iter(item.values())) if isinstance(item, dict) else item
         out += nav_pages(value) if isinstance(value, list) else [value]
     return out
+# The longest files (minutes, in one worker each: --dist loadfile), started first so that the workers finish
+# together; pytest-xdist would otherwise start files by their number of tests, and a long file of few tests
+# (test_faults) began last and ran alone. Only the order changes; every file's tests keep theirs.
+LONGEST_FIRST = ("test_doc_commands.py", "test_faults.py", "test_reference.py", "test_memory.py",
+                 "test_cli_errors.py", "test_config_options.py")
+
+
+def pytest_collection_modifyitems(items) -> None:
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep pytest's order
+
+
 CONF = REPO / "src" / "mhalab" / "conf"
 SHARED_DATA = REPO.parent / "shared" / "data"
 
