@@ -151,7 +151,7 @@ def one_shape(rng: np.random.Generator, combo) -> dict[str, float]:
             want |= {"grad query": g["x_q"], "grad key": g["x_k"], "grad value": g["x_v"]}
         return want | {f"grad {n}": v for n, v in reference_grads_by_official_name(g, theirs).items()}
 
-    want = {"ours": reference(masks), "official": reference(masks)}
+    want = dict.fromkeys(("ours", "official"), reference(masks))  # (read only: one computation for both)
     if pytorch_masks_appended_keys_causally(combo):
         # nn.MultiheadAttention's need_weights=False path drops the causal attn_mask for SDPA's is_causal, applied
         # after bias_k / the zero key are appended: it blocks them too, where the definition (and its own
