@@ -53,7 +53,8 @@ def loss_curves(metrics_csv: str | Path, out_png: str | Path) -> Path:
         va = df.dropna(subset=["val/loss"])
         ax_loss.plot(va["step"], va["val/loss"], "o-", lw=2, label="val/loss")
     ax_loss.set(xlabel="step", ylabel="cross-entropy", title="loss")
-    ax_loss.legend()
+    if ax_loss.get_legend_handles_labels()[0]:  # (a log with no loss rows: no legend to draw)
+        ax_loss.legend()
     title = "validation accuracy"
     if "val/acc" in df:
         va = df.dropna(subset=["val/acc"])
