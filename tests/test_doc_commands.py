@@ -4,7 +4,8 @@ real data in ../shared/data.
 The commands are read from the ```bash blocks of README.md and then of the pages in mkdocs.yml's nav order (a
 line that fails fails CI), in that order, each line once (its first place), inside a copy of the checkout so that nothing they
 write lands in it; the measured pages under results/ are records of long runs, not run. What is appended, and why:
-- training runs (`python train.py`, `make train`): 2 batches of train / val / test, 1 epoch, no bar;
+- training runs (`python train.py`, `make train`): 2 batches of 4 examples of train / val / test, 1 epoch, no bar
+  (the long-sequence sweeps and the pretrainings spend their time computing, not starting);
 - sweeps (`-m`, `sweep=`, `hparams_search=`): also `seed=0` (one seed per setting) and 2 Optuna trials;
   a sweep a later `mhalab-ensemble runs=` line reads gets `seed=0,1,2` instead (an ensemble of 3 members);
 - GPU-sized lines (`experiment=article`, `*_gpu`): the CPU, float32, batches of 4 x 32 tokens and one
@@ -62,7 +63,7 @@ def blocks(kind: str) -> list[tuple[str, list[str]]]:
     return out
 VENV = Path(sys.executable).parent.parent
 TINY = ["++trainer.limit_train_batches=2", "++trainer.limit_val_batches=2", "++trainer.limit_test_batches=2",
-        "max_epochs=1", "trainer.enable_progress_bar=false"]
+        "max_epochs=1", "batch_size=4", "trainer.enable_progress_bar=false"]
 SWEEP = ["seed=0"]
 ON_CPU = ["trainer.accelerator=cpu", "trainer.precision=32-true", "trainer.devices=1", "batch_size=4",
           "max_len=32", "layers=1"]
