@@ -23,6 +23,8 @@ def nav_pages(items=None) -> list[str]:
         value = next(iter(item.values())) if isinstance(item, dict) else item
         out += nav_pages(value) if isinstance(value, list) else [value]
     return out
+
+
 # The longest files (minutes, in one worker each: --dist loadfile), started first so that the workers finish
 # together; pytest-xdist would otherwise start files by their number of tests, and a long file of few tests
 # (test_faults) began last and ran alone. Only the order changes; every file's tests keep theirs.
