@@ -431,3 +431,15 @@ def test_check_machine_counts_the_gpus_a_trainer_asks_for(monkeypatch):
             check_machine({"accelerator": "gpu", "devices": devices, "strategy": "ddp"})
         assert str(e.value) == (f"trainer.devices={devices} asks for {wanted} GPUs and this machine has 2; set "
                                 f"trainer.devices=2 (or -1: all of them).")
+
+
+@pytest.mark.parametrize("mistake", [["heads=16", "dim=100"], ["dropout=1.5"], ["model.attention=window"]],
+                         ids=["heads", "dropout", "attention-options"])
+def test_a_models_mistake_is_told_before_lightning_loads(mistake, tmp_path):
+    # the model's checks need torch only: the commonest mistakes come back in ~2 s, not after Lightning's ~3 s import
+    probe = ("import sys\nsys.argv = ['train.py', *sys.argv[1:]]\nfrom mhalab.cli import train\n"
+             "try:\n    train()\nexcept SystemExit as e:\n    print(e.code, 'lightning' in sys.modules)\n")
+    p = subprocess.run([sys.executable, "-c", probe, *mistake, f"hydra.run.dir={tmp_path / 'run'}"], cwd=REPO,
+                       capture_output=True, text=True, timeout=120, check=False)
+    assert p.stdout.split() == ["2", "False"], p.stdout + p.stderr[-2000:]
+    assert p.stderr.strip().splitlines()[-1].startswith("error: ") and not (tmp_path / "run").exists()

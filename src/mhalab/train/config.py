@@ -148,12 +148,11 @@ _SHORTCUTS = ("dim", "heads", "layers", "ff_dim", "ff_ratio", "dropout", "lr", "
 
 def validate(cfg: DictConfig) -> None:
     """Cheap checks of the composed config, before any data is read. Each message names the value and the
-    fix. The rules are the modules' own (their constants and check functions), so there is one of each."""
+    fix. The rules are the modules' own (their constants and check functions), so there is one of each. The
+    model's come first: their modules need torch only, so the commonest mistakes are told before Lightning loads."""
     from mhalab.model import check_attention, check_model
     from mhalab.nn.attention import QUERY_BLOCK, check_blocking, check_heads
     from mhalab.nn.encoder import ACTIVATIONS
-    from mhalab.train.ema import check_decay
-    from mhalab.train.module import check_label_smoothing
 
     m = cfg.model
     dim, heads = _int(cfg, "model.dim", 1), _int(cfg, "model.heads", 1)
@@ -176,6 +175,9 @@ def validate(cfg: DictConfig) -> None:
     options = OmegaConf.to_container(m.get("attention_options") or {}, resolve=True)
     _ok(check_attention, m.attention, m.pos, options, model_max_len + (m.pooling == "cls"))
     _ok(check_blocking, m.get("block_min_scores"), m.get("query_block", QUERY_BLOCK), "model.")  # CPU query blocks
+
+    from mhalab.train.ema import check_decay  # (these modules load Lightning)
+    from mhalab.train.module import check_label_smoothing
 
     _check_optimizer(cfg, "optim")
     _ok(check_label_smoothing, _float(cfg, "optim.label_smoothing") or 0.0)
