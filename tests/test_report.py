@@ -348,6 +348,7 @@ def test_models_that_predict_one_class_get_no_verdict_and_no_best_setting(tmp_pa
     assert verdict["reason"].startswith("the models did not learn in heads in {8,16}, heads=2"), verdict["reason"]
     report = (root / "report.md").read_text()
     assert "No best setting: **heads=2**, **heads=8** tie at `val/acc` 51.50" in report
+    assert res["best_setting"] is None and res["tied"] == ["heads=2", "heads=8"]  # what the command prints, too
     assert "| heads=2 | 2 |" in report and "| heads=8 | 2 |" in report  # neither bolded in the table
     assert "Best setting" not in report.split("## Best setting")[1].split("##")[0].replace("No best setting", "")
 

@@ -59,6 +59,7 @@ from mhalab.analysis.report.stats import (
     margin_units,
     points_scale,
     summarize_settings,
+    top_settings,
     valid_mask,
 )
 from mhalab.analysis.report.verdicts import compute_verdicts
@@ -146,10 +147,10 @@ def write_report(multirun_dir: str | Path, metric: str = DEFAULT_METRIC, margin:
     verdicts_json.write_text(json.dumps(_json_safe({"metric": metric, "margin": margin_units(metric, margin),
                                                     "verdicts": [v.to_dict() for v in verdicts]}), indent=1) + "\n")
 
-    ranked = summary[summary["n"] > 0] if not summary.empty else summary
+    top = top_settings(summary) if not summary.empty else summary  # the report's rule: a tie has no best setting
     best = None
-    if not ranked.empty:
-        b = ranked.iloc[0]
+    if len(top) == 1:
+        b = top.iloc[0]
         best = {"setting": b["setting"], "n": int(b["n"]), "mean": float(b["monitored_mean"]),
                 "std": float(b["monitored_std"]), "test_acc_mean": float(b["test_acc_mean"])}
     ok = valid_mask(df)
@@ -166,6 +167,7 @@ def write_report(multirun_dir: str | Path, metric: str = DEFAULT_METRIC, margin:
         "failed": [{k: (v if isinstance(v, str) else None) for k, v in rec.items()}
                    for rec in df.loc[~ok, ["member", "status", "error"]].to_dict("records")],
         "best_setting": best,
+        "tied": top["setting"].tolist() if len(top) > 1 else [],
         "summary": summary,
         "verdicts": [v.to_dict() for v in verdicts],
         "verdict_by_claim": {v.key: v.verdict for v in verdicts},
@@ -197,6 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     best = res["best_setting"]
     if best:
         print(f"best by {res['metric']}: {best['setting']} (mean {best['mean']:.4f} over {best['n']} seed(s))")
+    elif res["tied"]:
+        print(f"no best by {res['metric']}: {', '.join(res['tied'])} tie")
     scale, unit = points_scale(res["metric"])
     for v in res["verdicts"]:
         ci = v["ci"]
