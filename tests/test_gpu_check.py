@@ -39,11 +39,12 @@ def dry_run(tmp_path_factory):
 def test_dry_run_records_every_part_and_copies_results_to_OUT(dry_run):
     result, tmp, back = dry_run
     assert result["dry_run"] is True and result["failed"] == []
-    assert list(result["parts"]) == ["bundle", "cuda_tests", "bench", "train", "imdb", "heads"]
+    assert list(result["parts"]) == ["bundle", "cuda_tests", "bench", "train", "imdb", "heads", "compile"]
     assert result["parts"]["bundle"]["status"] == "skipped"  # no bundle, every import there
     assert all(p["wall_s"] >= 0 for p in result["parts"].values())
     assert {"gpu_check.json", "gpu_check.md", "train_metrics.json", "cuda_tests.xml"} <= {f.name for f in back.iterdir()}
     assert json.loads((back / "gpu_check.json").read_text()) == result
+    assert len(list(back.iterdir())) <= 8  # what the device tool brings back from $OUT
     md = (tmp / "out" / "gpu_check.md").read_text()
     assert "| cuda_tests | passed |" in md and "CPU dry run" in md
 
@@ -92,7 +93,7 @@ def test_parts_with_too_little_left_of_the_budget_are_skipped_and_say_why(tmp_pa
     # what a check that overran its budget writes: every part recorded, none started past the budget
     assert gc.main(["--cpu", "--budget", "0", "--out", str(tmp_path / "out"), "--bundle", str(tmp_path / "none")]) == 0
     result = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
-    assert list(result["parts"]) == ["bundle", "cuda_tests", "bench", "train", "imdb", "heads"]
+    assert list(result["parts"]) == ["bundle", "cuda_tests", "bench", "train", "imdb", "heads", "compile"]
     assert {p["status"] for p in result["parts"].values()} == {"skipped"}
     assert result["parts"]["imdb"]["figures"]["reason"] == "0 s left of the check's 0 s budget"
     assert "heads: skipped (0 s left of the check's 0 s budget)" in capsys.readouterr().err
@@ -185,6 +186,16 @@ def test_dry_run_imdb_part_pretrains_then_fine_tunes_and_sets_the_bag_of_words_b
     assert imdb["pretrain_steps"] > 0  # masked-LM self-pretraining on the train texts
     assert 0.0 <= imdb["test_acc"] <= 1.0 and imdb["tfidf_test_acc"] == 0.9058  # results/baselines/imdb.json
     assert "IMDB at the article's width" in (tmp / "out" / "gpu_check.md").read_text()
+
+
+def test_dry_run_compile_part_times_the_compiled_model_beside_eager_and_the_compilation_apart(dry_run):
+    result, tmp, _ = dry_run
+    c = result["parts"]["compile"]["figures"]
+    eager, compiled = c["rows"]["packed"], c["rows"]["packed compiled"]  # the dry run's modes=[packed]
+    assert c["compiled_over_eager"]["packed"] == pytest.approx(compiled["tokens_per_s"] / eager["tokens_per_s"])
+    assert compiled["warmup_s"] > eager["warmup_s"] + 1  # the compilation (seconds) is in the warm-up, not timed
+    assert c["device"] == "cpu" and c["bf16"] is False  # on the GPU: cuda, bf16 autocast as trainer=gpu
+    assert "compile=true against eager" in (tmp / "out" / "gpu_check.md").read_text()
 
 
 def test_the_cuda_part_collects_only_the_files_that_hold_cuda_tests():

@@ -44,6 +44,10 @@ the exit code is 1 if any part failed):
   heads       the article's "8 or 16 heads" at its width: `train.py -m sweep=heads_gpu` (dim 512, 6 layers,
               bf16) with heads 1, 4, 16, one seed, 20 s of training each, then mhalab-report's verdicts
               (with one seed they say so: no seed noise to measure); each member's dev acc and memory.
+  compile     compile=true against eager on CUDA: `scripts/throughput.py compile=true bf16=true` trains the default
+              model on the SST-2 copy, bucketed and packed, compiled (compile_positionwise, as a compile=true run)
+              and not, interleaved, 200 timed steps each; tokens/s, the ratio, and the compilation's seconds (the
+              compiled copy's warm-up). Last, as the least of the article's questions: it gets what is left.
 After every part the json and md are written (and copied to $OUT): a time-out loses nothing already measured.
 Time: about 8.5 min on one H200 by estimate (never measured on one yet), 9 min at most: each part's own limit
 (GPU / CPU below) is cut to what is left of the check's budget (Sizes.budget_s, --budget), and a part with less
@@ -115,6 +119,8 @@ class Sizes:
     heads_timeout: int = 0
     imdb_overrides: tuple[str, ...] = ()  # IMDB at the article's width: masked-LM self-pretraining, then fine-tuning
     imdb_timeout: int = 0
+    compile_args: tuple[str, ...] = ()  # compile=true against eager: scripts/throughput.py, interleaved
+    compile_timeout: int = 0
     budget_s: int = 540  # the whole check: each part's limit is cut to what is left of it
 
 
@@ -130,7 +136,10 @@ GPU = Sizes(768, 12, 3072, 4, 512, 16, reps=20, warmup=3,
             # embed_dim 512, 8 heads, ff 2048 (experiment=article), bf16, reviews of up to 512 tokens
             imdb_overrides=("data=imdb", "experiment=article", "max_len=512", "batch_size=32", "max_epochs=2",
                             "pretrain=mlm", "pretrain.epochs=4", "++trainer.max_time=00:00:01:30"),
-            imdb_timeout=210)
+            imdb_timeout=210,
+            # the default model on SST-2, bucketed and packed, bf16 as trainer=gpu trains, compiled beside eager
+            compile_args=("compile=true", "bf16=true", "modes=[bucketed,packed]", "data=[sst2]", "steps=200"),
+            compile_timeout=150)
 CPU = Sizes(64, 2, 256, 2, 64, 4, reps=3, warmup=1,
             train_overrides=("trainer=cpu", "++trainer.max_steps=8", "dim=64", "heads=2", "layers=1",
                              "batch_size=16", "max_len=32", "data.vocab_size=200", "data.min_frequency=1"),
@@ -142,7 +151,10 @@ CPU = Sizes(64, 2, 256, 2, 64, 4, reps=3, warmup=1,
             imdb_overrides=("data=imdb", "trainer=cpu", "dim=64", "heads=2", "layers=1", "max_len=64",
                             "batch_size=16", "max_epochs=1", "++trainer.max_steps=4", "pretrain=mlm",
                             "pretrain.epochs=1", "data.vocab_size=200", "data.min_frequency=1"),
-            imdb_timeout=120, budget_s=900)
+            imdb_timeout=120,
+            compile_args=("compile=true", "modes=[packed]", "data=[sst2]", "steps=5",
+                          "overrides=[dim=64,heads=2,layers=1,data.vocab_size=200,data.min_frequency=1]"),
+            compile_timeout=120, budget_s=900)
 
 
 def peak_tflops(device_name: str) -> float | None:
@@ -541,6 +553,32 @@ def part_heads(data_dir: Path, work: Path, sizes: Sizes) -> dict:
     return figures
 
 
+def part_compile(data_dir: Path, work: Path, sizes: Sizes, device_type: str) -> dict:
+    """compile=true against eager: scripts/throughput.py trains the default model compiled as a compile=true run
+    compiles it (compile_positionwise) and uncompiled, interleaved, on the SST-2 copy; tokens/s of each, the ratio,
+    and the compilation's time (the compiled copy's warm-up)."""
+    rows_json = work / "compile.json"
+    args = list(sizes.compile_args)
+    given = next((i for i, a in enumerate(args) if a.startswith("overrides=[")), None)
+    paths = f"paths.data_dir={data_dir},paths.cache_dir={work / 'cache'}"
+    if given is None:
+        args.append(f"overrides=[{paths}]")
+    else:
+        args[given] = f"overrides=[{paths},{args[given][len('overrides=['):]}"
+    cmd = [sys.executable, str(ROOT / "scripts" / "throughput.py"), *args, f"device={device_type}",
+           f"json={rows_json}", f"out={work / 'compile.md'}"]
+    _run(cmd, sizes.compile_timeout, work / "compile.log")
+    rows = json.loads(rows_json.read_text())
+    out = {}
+    for r in rows:
+        key = r["mode"] + (" compiled" if r["compiled"] else "")
+        out[key] = {k: r[k] for k in ("tokens_per_s", "s_per_step", "warmup_s", "padding_fraction")}
+    ratios = {r["mode"]: out[r["mode"] + " compiled"]["tokens_per_s"] / out[r["mode"]]["tokens_per_s"]
+              for r in rows if r["compiled"]}
+    return {"command": cmd[1:], "rows": out, "compiled_over_eager": ratios,
+            "bf16": any(r["bf16"] for r in rows), "device": rows[0]["device"]}
+
+
 # ------------------------------------------------------------------ the command
 
 
@@ -682,6 +720,7 @@ def main(argv: list[str] | None = None) -> int:
     part("train", part_train, data.resolve(), work, sizes, limit="train_timeout")
     part("imdb", part_imdb, data.resolve(), work, sizes, limit="imdb_timeout")
     part("heads", part_heads, data.resolve(), work, sizes, limit="heads_timeout")
+    part("compile", part_compile, data.resolve(), work, sizes, device_type, limit="compile_timeout")
     print(f"[gpu-check] {result['wall_s']} s; failed: {result['failed'] or 'none'}; wrote {out}/gpu_check.json, "
           "gpu_check.md", file=sys.stderr)
     shutil.rmtree(work, ignore_errors=True)
@@ -750,4 +789,13 @@ def markdown(r: dict) -> str:
         lines += [f"| {k} | {m['status']} | {m['global_step']} | {_f(m['val_acc'], '.4f')} | "
                   f"{_f(m.get('cuda_reserved_mb_max'), '.0f')} / {_f(m.get('cuda_allocated_mb_max'), '.0f')} |"
                   for k, m in sorted(h["members"].items(), key=lambda kv: int(kv[0]))]
+    c = fig("compile")
+    if c.get("rows"):
+        lines += ["", (f"compile=true against eager (`throughput.py {' '.join(c['command'][1:])}`; "
+                      f"{'bf16 autocast' if c['bf16'] else 'float32'}):"), "",
+                  "| batches | compiled | tokens/s | s/step | warm-up s | compiled / eager |", "|---|---|---|---|---|---|"]
+        lines += [f"| {k.split()[0]} | {'yes' if k.endswith('compiled') else 'no'} | {v['tokens_per_s']:,.0f} | "
+                  f"{v['s_per_step']:.4f} | {v['warmup_s']:.1f} | "
+                  f"{_f(c['compiled_over_eager'][k.split()[0]], '.2f') + 'x' if k.endswith('compiled') else ''} |"
+                  for k, v in c["rows"].items()]
     return "\n".join(lines) + "\n"
