@@ -23,6 +23,7 @@ from mhalab.analysis.report import (
     NOT_DECIDED,
     SUPPORTED,
     NoMembersError,
+    best_line,
     collect_results,
     compute_verdicts,
     main,
@@ -349,6 +350,7 @@ def test_models_that_predict_one_class_get_no_verdict_and_no_best_setting(tmp_pa
     report = (root / "report.md").read_text()
     assert "No best setting: **heads=2**, **heads=8** tie at `val/acc` 51.50" in report
     assert res["best_setting"] is None and res["tied"] == ["heads=2", "heads=8"]  # what the command prints, too
+    assert best_line(res) == "no best by val/acc: heads=2, heads=8 tie"  # the command's and the sweep log's line
     assert "| heads=2 | 2 |" in report and "| heads=8 | 2 |" in report  # neither bolded in the table
     assert "Best setting" not in report.split("## Best setting")[1].split("##")[0].replace("No best setting", "")
 
@@ -536,6 +538,7 @@ def test_callback_in_a_real_hydra_multirun(tmp_path: Path) -> None:
     assert len(df) == 4
     assert sorted(df["setting"].unique()) == ["heads=2", "heads=8"]
     assert "sweep report:" in p.stderr + p.stdout
+    assert "members, 4 finished; best by val/acc: heads=8 (mean 0.7805 over 2 seed(s))" in p.stderr + p.stdout
 
 
 # --------------------------------------------------------------------------------------------------

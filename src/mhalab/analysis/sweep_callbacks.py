@@ -53,14 +53,17 @@ class ReportCallback(Callback):
         where = None
         try:
             where = sweep_dir(config)
-            from mhalab.analysis.report import DEFAULT_METRIC, write_report  # pandas: only when a sweep ends
+            from mhalab.analysis.report import (  # pandas: when a sweep ends
+                DEFAULT_METRIC,
+                best_line,
+                write_report,
+            )
 
             result = write_report(where, metric=self.metric or DEFAULT_METRIC)
             self.last_result = result
             verdicts = ", ".join(f"{v['claim']}: {v['verdict']}" for v in result["verdicts"] if v["covered"])
-            best = result["best_setting"]
-            log.info("sweep report: %s (%d members, %d finished; best %s)%s", result["report_md"],
-                     result["n_members"], result["n_finished"], best["setting"] if best else "none",
+            log.info("sweep report: %s (%d members, %d finished; %s)%s", result["report_md"],
+                     result["n_members"], result["n_finished"], best_line(result),
                      f"; verdicts: {verdicts}" if verdicts else "")
         except Exception:  # a report failure must never fail the sweep
             log.exception("sweep report for %s failed (the sweep itself is unaffected; re-run with "

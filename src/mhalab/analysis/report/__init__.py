@@ -188,6 +188,16 @@ class ReportOptions:
 USAGE = __doc__.splitlines()[0] + "\n\n    mhalab-report <sweep dir> [metric=val/acc] [margin=1]"
 
 
+def best_line(res: dict) -> str:
+    """write_report's best setting in words: the best by the metric, or the settings that tie at the top."""
+    best = res["best_setting"]
+    if best:
+        return f"best by {res['metric']}: {best['setting']} (mean {best['mean']:.4f} over {best['n']} seed(s))"
+    if res["tied"]:
+        return f"no best by {res['metric']}: {', '.join(res['tied'])} tie"
+    return f"no best by {res['metric']}: no finished member"
+
+
 @one_line_errors
 def main(argv: list[str] | None = None) -> int:
     """mhalab-report: write the report of a sweep dir; `error: ...` and exit 2 for a missing or empty dir."""
@@ -196,11 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     opts = parse(ReportOptions, words, "mhalab-report", USAGE)
     res = write_report(sweep_dir, metric=opts.metric, margin=opts.margin)
     print(f"members: {res['n_members']} ({res['n_finished']} finished, {len(res['failed'])} failed or incomplete)")
-    best = res["best_setting"]
-    if best:
-        print(f"best by {res['metric']}: {best['setting']} (mean {best['mean']:.4f} over {best['n']} seed(s))")
-    elif res["tied"]:
-        print(f"no best by {res['metric']}: {', '.join(res['tied'])} tie")
+    if res["best_setting"] or res["tied"]:
+        print(best_line(res))
     scale, unit = points_scale(res["metric"])
     for v in res["verdicts"]:
         ci = v["ci"]
