@@ -122,7 +122,8 @@ class ThroughputConfig:
     bf16: bool = field(default=False, metadata=doc("bf16 autocast around forward and loss, as trainer.precision="
                                                    "bf16-mixed trains"))
     overrides: list[str] = field(default_factory=list, metadata=doc(
-        "overrides of the train config the models and data are built from, e.g. [paths.data_dir=DIR,layers=1]"))
+        "overrides of the train config the models and data are built from, e.g. [paths.data_dir=DIR,layers=1] "
+        "(batch_size and max_len stay the data set's, as in SIZES)"))
     json: str | None = field(default=None, metadata=doc("write the rows (one dict per model) as JSON here"))
 
 
