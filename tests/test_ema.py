@@ -72,14 +72,14 @@ def test_ema_run_validates_and_tests_the_averaged_weights(tmp_path, toy_data_dir
     assert abs(rec["best"]["val/loss"] - raw["val"]["validation/loss"]) > 1e-3
 
 
-def test_ema_run_killed_mid_epoch_resumes_to_the_same_average(tmp_path, toy_data_dir):
+def test_ema_run_killed_mid_epoch_resumes_to_the_same_average(tmp_path, toy_data_dir, fork_server):
     ema = ("callbacks=ema", f"callbacks.ema.decay={DECAY}")
     straight, killed = tmp_path / "straight", tmp_path / "killed"
-    assert _run(straight, toy_data_dir, *ema).returncode == 0
-    proc = _run(killed, toy_data_dir, *ema, "debug=preempt", "callbacks.preempt.at_step=17",
+    assert _run(fork_server, straight, toy_data_dir, *ema).returncode == 0
+    proc = _run(fork_server, killed, toy_data_dir, *ema, "debug=preempt", "callbacks.preempt.at_step=17",
                 "callbacks.preempt.signal=SIGKILL")
     assert proc.returncode == -9
-    assert _run(killed, toy_data_dir, *ema).returncode == 0  # resumes from the step-10 checkpoint
+    assert _run(fork_server, killed, toy_data_dir, *ema).returncode == 0  # resumes from the step-10 checkpoint
     a, b = (torch.load(d / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
             for d in (straight, killed))
     assert a["global_step"] == b["global_step"] == 50

@@ -1,6 +1,7 @@
 """Runs survive what happens to real runs: Ctrl-C, pre-emption, the OOM killer, a second process, a read-only dir.
 
-Every case runs `python train.py` as a user would (a subprocess) on the toy data set, and compares with
+Every case runs `python train.py` as a user would, a process of its own that signals reach (forked from
+tests/fork_server.py's, which has imported what train.py imports), on the toy data set, and compares with
 one uninterrupted run of the same command: an interrupted run, re-run with the same command, must end
 with the same numbers (to 1e-6), the same log (logs/metrics.csv, every row once) and the same count of
 trained tokens, and its record must say what happened to each attempt. Two processes (`trainer=ddp_cpu`) and two
@@ -50,9 +51,8 @@ def _cmd(run_dir: Path, data: Path, *extra: str) -> list[str]:
             "data.vocab_size=200", "data.min_frequency=1", *COMMON, *extra]
 
 
-def _run(run_dir: Path, data: Path, *extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run(_cmd(run_dir, data, *extra), env=ENV, capture_output=True, text=True, check=False,
-                          timeout=600)
+def _run(server, run_dir: Path, data: Path, *extra: str) -> subprocess.CompletedProcess:
+    return server.run(_cmd(run_dir, data, *extra), env=ENV, timeout=600)
 
 
 def _log(run_dir: Path) -> pd.DataFrame:
@@ -73,10 +73,10 @@ def _rec(run_dir: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def straight(tmp_path_factory, toy_data_dir) -> Path:
+def straight(tmp_path_factory, toy_data_dir, fork_server) -> Path:
     """The uninterrupted run every interrupted one is compared with."""
     out = tmp_path_factory.mktemp("faults") / "straight"
-    proc = _run(out, toy_data_dir)
+    proc = _run(fork_server, out, toy_data_dir)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out
 
@@ -108,9 +108,9 @@ def _assert_same_run(a: Path, b: Path, steps: int = 50) -> None:
     ("SIGTERM", 25, True, 143, 20, "interrupted", "SIGTERM"),
 ], ids=["SIGTERM", "SIGINT", "SIGKILL", "SIGINT-last-batch", "SIGTERM-in-validation"])
 def test_interrupted_run_rerun_with_the_same_command_ends_equal_to_the_uninterrupted_one(
-        sig, at, in_validation, exit_code, saved_step, status, how, straight, tmp_path, toy_data_dir):
+        sig, at, in_validation, exit_code, saved_step, status, how, straight, tmp_path, toy_data_dir, fork_server):
     out = tmp_path / "run"
-    proc = _run(out, toy_data_dir, "debug=preempt", f"callbacks.preempt.at_step={at}",
+    proc = _run(fork_server, out, toy_data_dir, "debug=preempt", f"callbacks.preempt.at_step={at}",
                 f"callbacks.preempt.signal={sig}", f"callbacks.preempt.in_validation={in_validation}")
     assert proc.returncode == exit_code, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
@@ -120,7 +120,7 @@ def test_interrupted_run_rerun_with_the_same_command_ends_equal_to_the_uninterru
                                       f"hydra.run.dir={out}")
     assert torch.load(out / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == saved_step
 
-    proc = _run(out, toy_data_dir)  # the same command again, as a requeued job or a user does
+    proc = _run(fork_server, out, toy_data_dir)  # the same command again, as a requeued job or a user does
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"was {status}; resuming from" in proc.stdout + proc.stderr
     _assert_same_run(straight, out)
@@ -132,11 +132,10 @@ def test_interrupted_run_rerun_with_the_same_command_ends_equal_to_the_uninterru
     assert [a["from_step"] for a in attempts] == [0, saved_step]
 
 
-def test_ctrl_c_from_outside_at_any_moment_resumes_exactly(straight, tmp_path, toy_data_dir):
+def test_ctrl_c_from_outside_at_any_moment_resumes_exactly(straight, tmp_path, toy_data_dir, fork_server):
     """A real Ctrl-C lands wherever the run is, usually inside a batch: it still stops at a batch boundary."""
     out = tmp_path / "run"
-    proc = subprocess.Popen(_cmd(out, toy_data_dir, "+callbacks.throttle._target_=test_faults.Throttle"), env=ENV,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = fork_server.popen(_cmd(out, toy_data_dir, "+callbacks.throttle._target_=test_faults.Throttle"), env=ENV)
     deadline = time.time() + 120
     # past step 9 (rows are logged every 5 steps; how many rows a step has depends on the loggers' callbacks)
     while time.time() < deadline and _logged_step(out) < 9:
@@ -146,24 +145,23 @@ def test_ctrl_c_from_outside_at_any_moment_resumes_exactly(straight, tmp_path, t
     assert proc.returncode == 130, err[-3000:]
     step = torch.load(out / "checkpoints" / "last.ckpt", weights_only=True)["global_step"]
     assert 10 <= step < 50 and "Ctrl-C: stopping after this batch" in stdout + err and "Traceback" not in err
-    proc2 = _run(out, toy_data_dir)
+    proc2 = _run(fork_server, out, toy_data_dir)
     assert proc2.returncode == 0, proc2.stderr[-3000:]
     _assert_same_run(straight, out)
 
 
 def test_second_process_into_a_live_run_dir_is_refused_and_the_first_run_is_untouched(
-        straight, tmp_path, toy_data_dir):
+        straight, tmp_path, toy_data_dir, fork_server):
     out = tmp_path / "run"
     # 0.2 s a batch: the first run (50 batches) outlives the second's start-up (imports, Hydra) even on a busy
     # machine; at 0.05 s it could finish first, and the second then found a finished run (exit 0)
-    first = subprocess.Popen(_cmd(out, toy_data_dir, "+callbacks.throttle._target_=test_faults.Throttle",
-                                  "+callbacks.throttle.seconds=0.2"), env=ENV,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    first = fork_server.popen(_cmd(out, toy_data_dir, "+callbacks.throttle._target_=test_faults.Throttle",
+                                   "+callbacks.throttle.seconds=0.2"), env=ENV)
     deadline = time.time() + 120  # the lock is taken first, the record written a moment later
     while time.time() < deadline and not (rundir.is_live(out) and record.path(out).exists()):
         time.sleep(0.05)
     assert record.status(out, _rec(out)) == "running"  # what a report of a live run says
-    second = _run(out, toy_data_dir)
+    second = _run(fork_server, out, toy_data_dir)
     assert second.returncode == 2
     lines = [ln for ln in second.stderr.splitlines() if ln.strip()]
     assert lines[-1].startswith(f"error: {out} is in use by pid {first.pid} on ") and "Traceback" not in second.stderr
@@ -173,11 +171,10 @@ def test_second_process_into_a_live_run_dir_is_refused_and_the_first_run_is_unto
     assert len(_rec(out)["attempts"]) == 1
 
 
-def test_two_runs_started_at_once_into_one_dir_one_runs_the_other_is_refused(tmp_path, toy_data_dir):
+def test_two_runs_started_at_once_into_one_dir_one_runs_the_other_is_refused(tmp_path, toy_data_dir, fork_server):
     out = tmp_path / "run"
-    procs = [subprocess.Popen(_cmd(out, toy_data_dir), env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True) for _ in range(2)]
-    results = [(p.wait(timeout=300), p.stderr.read()) for p in procs]
+    procs = [fork_server.popen(_cmd(out, toy_data_dir), env=ENV) for _ in range(2)]
+    results = [(p.wait(timeout=300), p.communicate()[1]) for p in procs]
     codes = sorted(code for code, _ in results)
     assert codes == [0, 2], [err[-2000:] for _, err in results]
     refused = next(err for code, err in results if code == 2)
@@ -188,26 +185,26 @@ def test_two_runs_started_at_once_into_one_dir_one_runs_the_other_is_refused(tmp
 
 
 @pytest.fixture(scope="module")
-def ddp_straight(tmp_path_factory, toy_data_dir) -> Path:
+def ddp_straight(tmp_path_factory, toy_data_dir, fork_server) -> Path:
     """An uninterrupted run of two processes (trainer=ddp_cpu: Lightning starts rank 1, gloo)."""
     out = tmp_path_factory.mktemp("ddp") / "straight"
-    proc = _run(out, toy_data_dir, "trainer=ddp_cpu")
+    proc = _run(fork_server, out, toy_data_dir, "trainer=ddp_cpu")
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out
 
 
 def test_ddp_run_preempted_mid_epoch_resumes_every_rank_equal_to_the_uninterrupted_one(
-        ddp_straight, tmp_path, toy_data_dir):
+        ddp_straight, tmp_path, toy_data_dir, fork_server):
     """Each rank draws its own dropout masks, so each rank's RNG states are saved and restored as its own; the
     pre-emption reaches rank 0 only, and both ranks stop at the same batch."""
     out = tmp_path / "run"
-    proc = _run(out, toy_data_dir, "trainer=ddp_cpu", "debug=preempt", "callbacks.preempt.at_step=7")
+    proc = _run(fork_server, out, toy_data_dir, "trainer=ddp_cpu", "debug=preempt", "callbacks.preempt.at_step=7")
     assert proc.returncode == 143 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     saved = torch.load(out / "checkpoints" / "last.ckpt", weights_only=True)
     assert saved["global_step"] == 7  # mid-epoch: 12 steps an epoch on each of the 2 ranks
     ranks = saved["resume_state"]["ranks"]
     assert len(ranks) == 2 and not torch.equal(ranks[0]["torch"], ranks[1]["torch"])  # two states, not one twice
-    proc = _run(out, toy_data_dir, "trainer=ddp_cpu")
+    proc = _run(fork_server, out, toy_data_dir, "trainer=ddp_cpu")
     assert proc.returncode == 0, proc.stderr[-3000:]
     # with rank 0's states restored on both ranks (the code before), the val loss ended 1.2e-3 off
     _assert_same_run(ddp_straight, out, steps=24)
@@ -220,28 +217,28 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _two_nodes(out: Path, data: Path, *extra: str) -> list[subprocess.CompletedProcess]:
+def _two_nodes(server, out: Path, data: Path, *extra: str) -> list[subprocess.CompletedProcess]:
     """The command started twice, as a cluster's launcher starts it on two nodes of one process each."""
     port, procs = _free_port(), []
     for node in (0, 1):
         env = dict(ENV, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NODE_RANK=str(node), WORLD_SIZE="2")
-        procs.append(subprocess.Popen(_cmd(out, data, "trainer=ddp_cpu", "trainer.devices=1", "trainer.num_nodes=2",
-                                           *extra), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        procs.append(server.popen(_cmd(out, data, "trainer=ddp_cpu", "trainer.devices=1", "trainer.num_nodes=2", *extra),
+                                  env=env))
     outputs = [p.communicate(timeout=600) for p in procs]
     return [subprocess.CompletedProcess(p.args, p.returncode, *o) for p, o in zip(procs, outputs, strict=True)]
 
 
 def test_two_nodes_on_one_machine_train_are_preempted_and_resume_equal_to_two_local_processes(
-        ddp_straight, tmp_path, toy_data_dir):
+        ddp_straight, tmp_path, toy_data_dir, fork_server):
     """num_nodes=2 with the environment a cluster sets (MASTER_ADDR/PORT, NODE_RANK, WORLD_SIZE): node 1 shares
     node 0's run dir, waits for node 0's attempt, and resumes what node 0 resumes. Two nodes of one process are
     the same ranks as two local processes, so the numbers must be those of the local run."""
     out = tmp_path / "run"
-    first = _two_nodes(out, toy_data_dir, "debug=preempt", "callbacks.preempt.at_step=7")
+    first = _two_nodes(fork_server, out, toy_data_dir, "debug=preempt", "callbacks.preempt.at_step=7")
     assert first[0].returncode == first[1].returncode == 143, first[0].stderr[-3000:] + first[1].stderr[-3000:]
     assert "Traceback" not in first[0].stderr + first[1].stderr  # both nodes stopped, as a pre-empted job's tasks
     assert torch.load(out / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 7
-    again = _two_nodes(out, toy_data_dir)
+    again = _two_nodes(fork_server, out, toy_data_dir)
     assert [p.returncode for p in again] == [0, 0], again[0].stderr[-2000:] + again[1].stderr[-2000:]
     _assert_same_run(ddp_straight, out, steps=24)
     assert [a["from_step"] for a in _rec(out)["attempts"]] == [0, 7]
@@ -249,9 +246,9 @@ def test_two_nodes_on_one_machine_train_are_preempted_and_resume_equal_to_two_lo
         out / "train_node_1.log").read_text() + again[1].stderr  # node 1 logged beside node 0, into its own file
 
 
-def test_two_nodes_need_one_run_dir_named_on_the_command_line(tmp_path):
-    proc = subprocess.run([sys.executable, str(REPO / "train.py"), "trainer=ddp_cpu", "trainer.num_nodes=2"],
-                          cwd=tmp_path, env=ENV, capture_output=True, text=True, check=False, timeout=300)
+def test_two_nodes_need_one_run_dir_named_on_the_command_line(tmp_path, fork_server):
+    proc = fork_server.run([sys.executable, str(REPO / "train.py"), "trainer=ddp_cpu", "trainer.num_nodes=2"],
+                           cwd=tmp_path, env=ENV, timeout=300)
     assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1] == (
         "error: trainer.num_nodes=2: every node runs this command and all of them write into one run dir; pass the "
         "same hydra.run.dir=<a dir every node sees> on each node.")

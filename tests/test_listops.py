@@ -3,6 +3,7 @@ evaluator, lengths, class coverage, the generated files, and `data=listops` end 
 
 from __future__ import annotations
 
+import logging
 import statistics
 from collections import Counter
 from pathlib import Path
@@ -170,6 +171,17 @@ def test_generated_files_are_written_once_and_keyed_by_settings(tmp_path):
     other = generate_listops(tmp_path, **dict(kw, seed=1))
     assert other != out
     assert generator_settings(**kw)["version"] == GENERATOR_VERSION
+
+
+def test_two_runs_that_need_the_same_trees_together_generate_them_once(tmp_path, caplog):
+    from test_data import _together
+
+    kw = {"num_train": 300, "num_validation": 50, "num_test": 50, "min_length": 10, "max_length": 80, "seed": 0}
+    outs = []
+    with caplog.at_level(logging.INFO, logger="mhalab.data.listops"):
+        _together(*[lambda: outs.append(generate_listops(tmp_path, **kw))] * 2)
+    assert len(outs) == 2 and outs[0] == outs[1]
+    assert sum("listops: generated" in r.getMessage() for r in caplog.records) == 1
 
 
 # ------------------------------------------------------------------ the datamodule

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -60,12 +61,12 @@ def test_autocast_with_fully_padded_sequences_gives_finite_logits_and_grads(dtyp
     assert all(torch.isfinite(p.grad).all() for p in m.parameters() if p.grad is not None)
 
 
-def _sweep(tmp_path, data, *overrides) -> subprocess.CompletedProcess:
+def _sweep(server, tmp_path, data, *overrides) -> subprocess.CompletedProcess:
     cmd = [sys.executable, str(REPO / "train.py"), "-m", f"hydra.sweep.dir={tmp_path / 'sweep'}",
            f"paths.data_dir={data}", f"paths.cache_dir={tmp_path / 'cache'}", "trainer=cpu",
            "trainer.enable_progress_bar=false", "heads=4", "layers=1", "batch_size=32", "max_len=32",
            "max_epochs=1", "data.vocab_size=200", "data.min_frequency=1", *overrides]
-    return subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=900)
+    return server.run(cmd, env=dict(os.environ, PYTHONHASHSEED="0"), timeout=900)
 
 
 @pytest.mark.parametrize("shared, expected", [
@@ -95,12 +96,12 @@ def test_a_member_dir_name_starts_with_the_swept_values(tmp_path, shared, expect
     assert len(name) == len(expected) + (8 if expected.endswith("~") else 0)
 
 
-def test_sweep_with_an_invalid_member_finishes_the_rest_reports_and_reruns_skip_finished(tmp_path,
-                                                                                           toy_data_dir):
+def test_sweep_with_an_invalid_member_finishes_the_rest_reports_and_reruns_skip_finished(tmp_path, toy_data_dir,
+                                                                                           fork_server):
     # the limits make every member's overrides longer than a dir name may be: the names keep the swept value whole,
     # first, and stand for the overrides all members share by one hash
     limits = ["++trainer.limit_train_batches=3", "++trainer.limit_val_batches=2", "++trainer.limit_test_batches=2"]
-    proc = _sweep(tmp_path, toy_data_dir, "dim=32,30", *limits)  # 30 is not divisible by 4 heads
+    proc = _sweep(fork_server, tmp_path, toy_data_dir, "dim=32,30", *limits)  # 30 is not divisible by 4 heads
     assert proc.returncode == 0, proc.stderr[-3000:]
     sweep = tmp_path / "sweep"
     (good,), (bad,) = sweep.glob("dim=32,~*"), sweep.glob("dim=30,~*")
@@ -120,7 +121,7 @@ def test_sweep_with_an_invalid_member_finishes_the_rest_reports_and_reruns_skip_
 
     finished_before = (good / "metrics.json").read_text()
     ckpts_before = sorted(p.name for p in (good / "checkpoints").iterdir())
-    proc = _sweep(tmp_path, toy_data_dir, "dim=32,30", *limits)
+    proc = _sweep(fork_server, tmp_path, toy_data_dir, "dim=32,30", *limits)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "already finished; skipping" in proc.stdout + proc.stderr
     assert (good / "metrics.json").read_text() == finished_before  # untouched, not re-trained

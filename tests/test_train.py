@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -168,11 +167,11 @@ def _train_cmd(tmp: Path, data: Path, *extra: str) -> list[str]:
             "data.vocab_size=200", "data.min_frequency=1", *extra]
 
 
-def test_ddp_cpu_runs_two_processes_that_fine_tune_one_pretrained_encoder(tmp_path, toy_data_dir):
+def test_ddp_cpu_runs_two_processes_that_fine_tune_one_pretrained_encoder(tmp_path, toy_data_dir, fork_server):
     out = tmp_path / "ddp"
-    proc = subprocess.run(_train_cmd(out, toy_data_dir, "trainer=ddp_cpu", "max_epochs=1", "test_after_fit=false",
-                                     "pretrain=mlm", "pretrain.epochs=2"),
-                          check=False, capture_output=True, text=True, timeout=600)
+    proc = fork_server.run(_train_cmd(out, toy_data_dir, "trainer=ddp_cpu", "max_epochs=1", "test_after_fit=false",
+                                      "pretrain=mlm", "pretrain.epochs=2"),
+                           env=dict(os.environ, PYTHONHASHSEED="0"), timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     log = proc.stderr + proc.stdout
     assert "Initializing distributed: GLOBAL_RANK: 1, MEMBER: 2/2" in log

@@ -2,14 +2,18 @@
 
 A tokenizer JSON and a directory of encoded ids per data set, under `cache_root/<name>/`; a second
 run (and every DDP rank) only loads them. Files are written through a temp file and a rename, so a
-crash or a concurrent reader never sees half a file.
+crash or a concurrent reader never sees half a file; an entry is built under a lock (`locked`), so two
+runs that start together (a sweep's members on a cold cache) build it once: the second waits, then reads it.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 CACHE_DIR_ENV = "MHALAB_CACHE_DIR"
@@ -19,6 +23,19 @@ CACHE_VERSION = 1  # bump when the cached format or the encoding recipe changes
 def digest(obj) -> str:
     """16 hex digits of the JSON of `obj` (keys sorted): the same settings give the same name in any process."""
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
+
+
+@contextmanager
+def locked(path: Path) -> Iterator[None]:
+    """Hold an exclusive lock on the file `path` (created if missing); another process (or thread) that wants it
+    waits here. Build a cache entry inside, after checking again that no one built it while this one waited."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def write_atomic(path: Path, write) -> None:

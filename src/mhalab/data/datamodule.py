@@ -31,7 +31,7 @@ from tokenizers import Tokenizer
 from torch.utils.data import DataLoader
 
 from mhalab.data.arguments import SPLITS, check_arguments
-from mhalab.data.cache import CACHE_DIR_ENV, CACHE_VERSION, cache_paths, write_atomic
+from mhalab.data.cache import CACHE_DIR_ENV, CACHE_VERSION, cache_paths, locked, write_atomic
 from mhalab.data.collate import Collate, EncodedSplit, PackedCollate
 from mhalab.data.holdout import stratified_holdout
 from mhalab.data.reading import (
@@ -223,11 +223,18 @@ class TextClassificationDataModule(L.LightningDataModule):
         return {split: raw[split] for split in SPLITS if split in raw}
 
     def _build_cache(self) -> None:
-        """Create the cached tokenizer and encoded splits if they are not there yet."""
+        """Create the cached tokenizer and encoded splits if they are not there yet (once: a run that wants the
+        same entry meanwhile waits for it)."""
         self.validate()
-        tok_path, enc_dir = self._cache_paths()
+        _, enc_dir = self._cache_paths()
         if (enc_dir / "meta.json").exists():
             return
+        with locked(enc_dir.with_suffix(".lock")):
+            if not (enc_dir / "meta.json").exists():  # another run may have built it while this one waited
+                self._build_entry()
+
+    def _build_entry(self) -> None:
+        tok_path, enc_dir = self._cache_paths()
         t0 = time.perf_counter()
         raw = self.read_splits()
         log.info("%s: read and checked %s rows in %.1fs", self.name,

@@ -14,8 +14,8 @@ lengths 500-2000 (strictly between), 96k / 2k / 2k train / validation / test tre
 has no parentheses (LRA's files wrap every argument in `( )`, which its input pipeline drops).
 
 `generate_listops` writes `train.tsv`, `validation.tsv`, `test.tsv` (`Source<TAB>Target`) into
-`<cache_dir>/listops/generated-<hash of the settings>/`, atomically, only when they are missing, so
-every run (and every DDP rank) with the same settings reads the same files. `ListOpsDataModule` is a
+`<cache_dir>/listops/generated-<hash of the settings>/`, atomically, only when they are missing (once: under a
+lock), so every run (and every DDP rank) with the same settings reads the same files. `ListOpsDataModule` is a
 `TextClassificationDataModule` (through `SubsetDataModule`) whose files are those, with a word-level
 tokenizer (each operator, bracket and digit one token; a vocabulary of 4 specials + 15 symbols).
 """
@@ -30,6 +30,7 @@ import random
 import time
 from pathlib import Path
 
+from mhalab.data.cache import locked
 from mhalab.data.subset import SubsetDataModule
 from mhalab.errors import ConfigError
 
@@ -165,16 +166,19 @@ def generate_listops(out_root: str | os.PathLike, num_train: int = 96_000, num_v
     out = Path(out_root).expanduser() / f"generated-{key}"
     if (out / "settings.json").exists():
         return out
-    out.mkdir(parents=True, exist_ok=True)
-    t0 = time.perf_counter()
-    total = num_train + num_validation + num_test
-    examples = generate_examples(total, seed, min_length, max_length, max_depth, max_args)
-    bounds = {"train": (0, num_train), "validation": (num_train, num_train + num_validation),
-              "test": (num_train + num_validation, total)}
-    for split, (a, b) in bounds.items():
-        rows = "".join(f"{text}\t{value}\n" for text, value in examples[a:b])
-        _write_once(out / f"{split}.tsv", f"{SOURCE}\t{TARGET}\n{rows}")
-    _write_once(out / "settings.json", json.dumps(settings, indent=2))  # last: marks the set complete
+    with locked(out.with_suffix(".lock")):  # two runs that start together generate the trees once
+        if (out / "settings.json").exists():  # another run generated them while this one waited
+            return out
+        out.mkdir(parents=True, exist_ok=True)
+        t0 = time.perf_counter()
+        total = num_train + num_validation + num_test
+        examples = generate_examples(total, seed, min_length, max_length, max_depth, max_args)
+        bounds = {"train": (0, num_train), "validation": (num_train, num_train + num_validation),
+                  "test": (num_train + num_validation, total)}
+        for split, (a, b) in bounds.items():
+            rows = "".join(f"{text}\t{value}\n" for text, value in examples[a:b])
+            _write_once(out / f"{split}.tsv", f"{SOURCE}\t{TARGET}\n{rows}")
+        _write_once(out / "settings.json", json.dumps(settings, indent=2))  # last: marks the set complete
     log.info("listops: generated %d trees (%d-%d tokens) in %.1fs -> %s", total, min_length, max_length,
              time.perf_counter() - t0, out)
     return out

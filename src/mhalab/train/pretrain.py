@@ -25,11 +25,9 @@ the fine-tuning and load the cached encoder (torchrun / SLURM ranks wait on the 
 
 from __future__ import annotations
 
-import fcntl
 import json
 import logging
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 import lightning as L
@@ -37,7 +35,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import DictConfig, OmegaConf
 
-from mhalab.data.cache import digest, write_atomic
+from mhalab.data.cache import digest, locked, write_atomic
 from mhalab.data.tokenizer import CLS_ID, PAD_ID, SEP_ID, SPECIALS
 from mhalab.errors import CheckpointError
 from mhalab.mlm import MaskedLanguageModel
@@ -115,24 +113,12 @@ def _debug_cuts(cfg: DictConfig) -> dict:
     return {k: cfg.trainer.get(k) for k, default in DEBUG_CUTS.items() if cfg.trainer.get(k, default) != default}
 
 
-@contextmanager
-def _locked(path: Path):
-    """Hold an exclusive lock on `path` (a process that wants the same dir waits here, then finds it done)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
 def pretrained_encoder(cfg: DictConfig, dm, callbacks: tuple = ()) -> tuple[dict, dict]:
     """(the encoder's state dict, its meta) for this config: read from the cache, or pretrained now (with these
     Lightning callbacks added, e.g. SimulateSignal to rehearse an interruption)."""
     d = cache_dir(cfg, dm)
     if not (d / WEIGHTS).exists():
-        with _locked(d.with_suffix(".lock")):
+        with locked(d.with_suffix(".lock")):
             if not (d / WEIGHTS).exists():  # another process may have finished it while we waited
                 _pretrain(cfg, dm, d, callbacks)
                 state, meta = read_encoder(d / WEIGHTS)
