@@ -36,9 +36,11 @@ import tempfile
 import time
 from pathlib import Path
 
-# read when an interpreter starts (or by the re-exec before it), so a fork inherits the server's
+# read when an interpreter starts (or by the re-exec before it), or by a module the server imported (matplotlib's
+# backend and config dir), so a fork inherits the server's
 START_ONLY = ("PYTHONHASHSEED", "LD_PRELOAD", "MHALAB_ALLOCATOR", "MIMALLOC_PURGE_DELAY", "OMP_NUM_THREADS",
-              "MKL_NUM_THREADS", "PYTHONDONTWRITEBYTECODE", "PYTHONOPTIMIZE", "PYTHONWARNINGS")
+              "MKL_NUM_THREADS", "PYTHONDONTWRITEBYTECODE", "PYTHONOPTIMIZE", "PYTHONWARNINGS", "MPLBACKEND",
+              "MPLCONFIGDIR", "HOME")
 
 
 def command_env(env: dict[str, str]) -> dict[str, str]:

@@ -203,11 +203,10 @@ def test_linear_attentions_say_they_have_no_weights(tmp_path, kind, capsys):
         attention_weights(module, torch.tensor([[2, 5, 3]]))
 
 
-@pytest.mark.slow  # a fresh interpreter importing torch + lightning: ~15 s on a busy 2-core machine
-def test_script_command_line(checkpoints, tmp_path):
+def test_script_command_line(checkpoints, tmp_path, fork_server):
     out = tmp_path / "cli.png"
-    res = subprocess.run([sys.executable, str(REPO / "scripts" / "attention_map.py"), f"ckpt_path={checkpoints['full']}",
-                          f"text={TEXT}", f"out={out}"], capture_output=True, text=True, timeout=120, check=False)
+    res = fork_server.run([sys.executable, str(REPO / "scripts" / "attention_map.py"), f"ckpt_path={checkpoints['full']}",
+                           f"text={TEXT}", f"out={out}"], env=dict(os.environ, PYTHONHASHSEED="0"), timeout=120)
     assert res.returncode == 0, res.stderr
     assert out.read_bytes()[:8] == PNG_MAGIC
 

@@ -295,18 +295,18 @@ def test_compare_passes_and_covers_every_mask_kind():
     assert "article's `masked_fill(mask == 0, -1e9)` 0.2000" in text
 
 
-def test_compare_command_exits_1_above_its_tolerance_and_2_on_an_unknown_option(capsys):
+def test_compare_command_exits_1_above_its_tolerance_and_2_on_an_unknown_option(capsys, fork_server):
     """scripts/compare_with_official.py (make compare) passes argv to mhalab-compare: with a tolerance below
     float32's rounding (diffs ~1e-7) it must fail, mark the rows, and exit 1."""
-    import subprocess
+    import os
     import sys
     from pathlib import Path
 
     from mhalab.analysis import compare
 
     script = Path(__file__).resolve().parents[1] / "scripts" / "compare_with_official.py"
-    proc = subprocess.run([sys.executable, str(script), "tol=1e-9"], capture_output=True, text=True, timeout=300,
-                          check=False)
+    proc = fork_server.run([sys.executable, str(script), "tol=1e-9"], env=dict(os.environ, PYTHONHASHSEED="0"),
+                           timeout=300)
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert "(tolerance 1e-09): FAIL" in proc.stdout and "tolerance 1e-09." in proc.stdout
     with pytest.raises(SystemExit) as e:

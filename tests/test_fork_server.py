@@ -43,7 +43,7 @@ def probe(tmp_path_factory):
 def _both(fork_server, probe, *args, **kw) -> tuple[subprocess.CompletedProcess, subprocess.CompletedProcess]:
     argv = [sys.executable, "scripts/probe.py", *args]
     env = dict(os.environ, PYTHONHASHSEED="0", PROBE_VALUE="x y", PYTHONPATH=str(probe / "lib"))
-    real = subprocess.run(argv, cwd=probe, env=env, capture_output=True, text=True, timeout=60, **kw)
+    real = subprocess.run(argv, cwd=probe, env=env, capture_output=True, text=True, timeout=60, check=False, **kw)
     forked = fork_server.run(argv, cwd=probe, env=env, timeout=60, **kw)
     return real, forked
 
