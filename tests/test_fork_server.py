@@ -13,8 +13,10 @@ import time
 import pytest
 
 PROBE = '''
-import json, os, sys
+import json, os, signal, sys
 what = sys.argv[1]
+# Ctrl-C as at a terminal: a process started by a pytest-xdist worker inherits SIGINT ignored (fresh or forked)
+signal.signal(signal.SIGINT, signal.default_int_handler)
 if what == "show":
     print(json.dumps({"argv": sys.argv, "cwd": os.getcwd(), "path0": sys.path[0], "extra": sys.path[1],
                       "name": __name__, "env": os.environ.get("PROBE_VALUE"), "stdin": sys.stdin.read()}))
