@@ -138,7 +138,8 @@ def serve() -> None:
 
 
 class ForkServer:
-    """The server process, and the children it started for this client (see the module's docstring)."""
+    """The server process, and the children it started for this client (see the module's docstring). Not for
+    several threads at once: one reads the server's messages at a time."""
 
     def __init__(self, env: dict[str, str] | None = None):
         env = dict(os.environ if env is None else env, PYTHONHASHSEED="0")
