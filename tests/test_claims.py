@@ -73,3 +73,14 @@ def test_another_regimes_sweeps_get_a_section_of_their_own(tmp_path):
     assert "| dropout 0.1 | trec | " in main_table and "trec-short" not in main_table.split("## The sweeps")[0]
     assert "| dropout 0.1 | trec-short | " in other.split("## The sweeps")[0]
     assert "| trec-short | dropout | 15 (15) |" in text and text.count("`mhalab-train sweep=dropout") == 1
+
+
+def test_the_committed_claims_table_is_what_mhalab_claims_makes_of_the_committed_sweeps(monkeypatch):
+    """results/sweeps/README.md = `mhalab-claims results/sweeps out=results/sweeps/README.md`, run at the root."""
+    from pathlib import Path
+
+    from conftest import REPO
+
+    monkeypatch.chdir(REPO)  # the command's folder argument is written into the table as typed
+    committed = Path("results/sweeps/README.md").read_text()
+    assert render(Path("results/sweeps"), baselines=Path("results/baselines")) == committed
