@@ -32,7 +32,7 @@ from mhalab.data import TextClassificationDataModule
 from mhalab.errors import ConfigError, one_line_errors
 from mhalab.model import SequenceClassifier
 from mhalab.train.config import CONF_DIR  # (and registers the configs' resolvers)
-from mhalab.train.module import FUSED_ADAMW
+from mhalab.train.optimizer import FUSED_ADAMW
 
 MODES = ("bucketed", "shuffled", "packed")  # data.batching
 SIZES = {"sst2": {"batch_size": 64, "max_len": 64}, "imdb": {"batch_size": 32, "max_len": 512}}

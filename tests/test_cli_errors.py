@@ -433,10 +433,13 @@ def test_check_machine_counts_the_gpus_a_trainer_asks_for(monkeypatch):
                                 f"trainer.devices=2 (or -1: all of them).")
 
 
-@pytest.mark.parametrize("mistake", [["heads=16", "dim=100"], ["dropout=1.5"], ["model.attention=window"]],
-                         ids=["heads", "dropout", "attention-options"])
-def test_a_models_mistake_is_told_before_lightning_loads(mistake, tmp_path):
-    # the model's checks need torch only: the commonest mistakes come back in ~2 s, not after Lightning's ~3 s import
+@pytest.mark.parametrize("mistake", [["heads=16", "dim=100"], ["dropout=1.5"], ["model.attention=window"],
+                                     ["optim.lr=-1"], ["optim.schedule=step"], ["optim.label_smoothing=1"],
+                                     ["callbacks=ema", "callbacks.ema.decay=1"]],
+                         ids=["heads", "dropout", "attention-options", "lr", "schedule", "label-smoothing", "ema-decay"])
+def test_a_models_or_optimizers_mistake_is_told_before_lightning_loads(mistake, tmp_path):
+    # the model's and the optimizer's checks need torch only (mhalab.model, mhalab.train.optimizer): the commonest
+    # mistakes come back in ~2 s, not after Lightning's ~3 s import
     probe = ("import sys\nsys.argv = ['train.py', *sys.argv[1:]]\nfrom mhalab.cli import train\n"
              "try:\n    train()\nexcept SystemExit as e:\n    print(e.code, 'lightning' in sys.modules)\n")
     p = subprocess.run([sys.executable, "-c", probe, *mistake, f"hydra.run.dir={tmp_path / 'run'}"], cwd=REPO,

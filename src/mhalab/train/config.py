@@ -176,8 +176,7 @@ def validate(cfg: DictConfig) -> None:
     _ok(check_attention, m.attention, m.pos, options, model_max_len + (m.pooling == "cls"))
     _ok(check_blocking, m.get("block_min_scores"), m.get("query_block", QUERY_BLOCK), "model.")  # CPU query blocks
 
-    from mhalab.train.ema import check_decay  # (these modules load Lightning)
-    from mhalab.train.module import check_label_smoothing
+    from mhalab.train.optimizer import check_decay, check_label_smoothing  # (torch only, as the model's)
 
     _check_optimizer(cfg, "optim")
     _ok(check_label_smoothing, _float(cfg, "optim.label_smoothing") or 0.0)
@@ -271,8 +270,8 @@ def _check_pretraining(cfg: DictConfig) -> None:
 
 
 def _check_optimizer(cfg: DictConfig, group: str) -> None:
-    """<group>.lr, .schedule and .warmup_ratio: what mhalab.train.module.adamw_with_schedule reads (optim, pretrain)."""
-    from mhalab.train.module import SCHEDULES
+    """<group>.lr, .schedule and .warmup_ratio: what mhalab.train.optimizer.adamw_with_schedule reads (optim, pretrain)."""
+    from mhalab.train.optimizer import SCHEDULES
 
     lr = _float(cfg, f"{group}.lr")
     if lr is None or lr <= 0:

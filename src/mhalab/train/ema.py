@@ -28,6 +28,8 @@ from __future__ import annotations
 import torch
 from lightning.pytorch.callbacks import WeightAveraging
 
+from mhalab.train.optimizer import check_decay
+
 
 def ema_with_warmup(decay: float):
     """AveragedModel's multi_avg_fn: lerp each averaged tensor towards the current one by 1 - d_t."""
@@ -38,11 +40,6 @@ def ema_with_warmup(decay: float):
         torch._foreach_lerp_(averaged, current, 1.0 - d)
 
     return update
-
-
-def check_decay(decay: float | None) -> None:
-    if decay is None or not 0.0 < decay < 1.0:
-        raise ValueError(f"callbacks.ema.decay={decay} must be in (0, 1), e.g. 0.99 (an average over ~100 steps).")
 
 
 class EMA(WeightAveraging):

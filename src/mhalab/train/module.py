@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import math
 import re
 
 import lightning as L
@@ -31,11 +30,11 @@ from torchmetrics.classification import (
 from mhalab.model import ATTENTION_OPTIONS, SequenceClassifier
 from mhalab.nn.flops import train_flops
 from mhalab.train.class_report import build_report, default_labels
+from mhalab.train.optimizer import adamw_with_schedule, check_label_smoothing, check_schedule
 from mhalab.train.throughput import batch_tokens
 
 log = logging.getLogger("mhalab")
 
-SCHEDULES = ("cosine", "linear", "constant")  # the lr after warmup (configure_optimizers)
 MAX_LOGGED_CLASSES = 20  # per-class f1 goes to the loggers up to this many classes (class_reports: always)
 SPLITS = {"val": "validation", "test": "test"}  # log prefix -> class_reports key
 
@@ -61,11 +60,6 @@ def _log_name(label: str) -> str:
     return re.sub(r"[^0-9A-Za-z_.-]+", "_", str(label)).strip("_") or "_"
 
 
-def check_label_smoothing(eps: float) -> None:
-    if not 0.0 <= eps < 1.0:
-        raise ValueError(f"optim.label_smoothing={eps} must be in [0, 1), e.g. 0.1.")
-
-
 class NonFiniteLossError(RuntimeError):
     """The loss became NaN or infinite; the run stops instead of training on garbage."""
 
@@ -88,8 +82,7 @@ class Classifier(L.LightningModule):
         label_names: list[str] | None = None,
     ):
         super().__init__()
-        if schedule not in SCHEDULES:
-            raise ValueError(f"unknown optim.schedule '{schedule}'; choose one of {', '.join(SCHEDULES)}.")
+        check_schedule(schedule)
         check_label_smoothing(label_smoothing)
         if label_names is not None and len(label_names) != num_classes:
             raise ValueError(f"label_names has {len(label_names)} names ({list(label_names)}) for "
@@ -258,34 +251,3 @@ class Classifier(L.LightningModule):
         self._extras = {**saved, **self._extras}  # what this process was built with wins (a resumed run)
         if counts is not None:
             self.token_counts = [int(x) for x in counts]
-
-
-# devices where AdamW runs fused: one kernel per step instead of ~10 ops per parameter (PyTorch's default on CPU is
-# the per-parameter loop): on this project's 2-core CPU the loop's SST-2 steps run at 0.95x the fused ones
-# (`python scripts/throughput.py adamw_loop=true`, results/bench/compile.md). Same numbers to float rounding.
-FUSED_ADAMW = ("cpu", "cuda")
-
-
-def adamw_with_schedule(module: L.LightningModule, hp) -> dict:
-    """AdamW (no weight decay on biases, norms and embeddings, as is standard for Transformers) and a per-step
-    lr schedule: linear warmup over hp.warmup_ratio of the run, then cosine / linear decay to 0, or constant.
-    hp: lr, weight_decay, betas, warmup_ratio, schedule. Classifier and the masked-LM pretraining share it."""
-    decay = [p for n, p in module.named_parameters() if p.ndim >= 2 and "embed" not in n]
-    no_decay = [p for n, p in module.named_parameters() if not (p.ndim >= 2 and "embed" not in n)]
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=hp.lr, betas=tuple(hp.betas), fused=module.device.type in FUSED_ADAMW,
-    )
-    total = max(1, int(module.trainer.estimated_stepping_batches))
-    warmup = int(hp.warmup_ratio * total)
-
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        if hp.schedule == "constant":
-            return 1.0
-        progress = min(1.0, (step - warmup) / max(1, total - warmup))
-        return 0.5 * (1 + math.cos(math.pi * progress)) if hp.schedule == "cosine" else 1.0 - progress
-
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
-    return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}

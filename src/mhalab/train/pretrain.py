@@ -44,7 +44,7 @@ from mhalab.train.callbacks import GracefulStop, ResumeState
 from mhalab.train.checkpoint import SHAPE_KEYS
 from mhalab.train.csv_logger import ContinuedCSVLogger
 from mhalab.train.curves import loss_curves, masked_lm_finals
-from mhalab.train.module import adamw_with_schedule
+from mhalab.train.optimizer import adamw_with_schedule
 
 log = logging.getLogger("mhalab")
 
