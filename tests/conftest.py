@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import threading
 from pathlib import Path
 
 import pytest
@@ -86,6 +87,16 @@ def write_toy_sst2(root: Path, n_train: int = 400, n_dev: int = 64, n_test: int 
             rows.append(f"{_sentence(rng, label)}\t{label}")
         (d / f"{name}.tsv").write_text("\n".join(rows) + "\n")
     return root
+
+
+def together(*calls) -> None:
+    """Run the calls in threads released at the same moment, as a sweep's first members start on a cold cache."""
+    start = threading.Barrier(len(calls))
+    threads = [threading.Thread(target=lambda c=c: (start.wait(), c())) for c in calls]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
 
 
 @pytest.fixture(scope="session")

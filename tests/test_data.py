@@ -10,7 +10,6 @@ import logging
 import random
 import subprocess
 import sys
-import threading
 from collections import Counter
 from pathlib import Path
 
@@ -19,7 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from conftest import write_toy_sst2
+from conftest import together, write_toy_sst2
 
 import mhalab.data.datamodule as datamodule_module
 from mhalab.data import (
@@ -252,20 +251,10 @@ def test_trec_stratified_holdout(tmp_path):
 # ---------------------------------------------------------------------- tokenizers and cache
 
 
-def _together(*calls) -> None:
-    """Run the calls in threads released at the same moment, as a sweep's first members start on a cold cache."""
-    start = threading.Barrier(len(calls))
-    threads = [threading.Thread(target=lambda c=c: (start.wait(), c())) for c in calls]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
-
-
 def test_two_runs_that_prepare_one_cache_entry_together_build_it_once(tmp_path, caplog):
     first, second = toy_dm(tmp_path), toy_dm(tmp_path, write=False)
     with caplog.at_level(logging.INFO, logger="mhalab.data.datamodule"):
-        _together(first.prepare_data, second.prepare_data)
+        together(first.prepare_data, second.prepare_data)
     said = [r.getMessage() for r in caplog.records]
     assert sum(" tokenizer (vocab " in m for m in said) == 1 and sum(": encoded " in m for m in said) == 1, said
     first.setup("fit")

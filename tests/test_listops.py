@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import together
 
 from mhalab.data.listops import (
     GENERATOR_VERSION,
@@ -174,12 +175,10 @@ def test_generated_files_are_written_once_and_keyed_by_settings(tmp_path):
 
 
 def test_two_runs_that_need_the_same_trees_together_generate_them_once(tmp_path, caplog):
-    from test_data import _together
-
     kw = {"num_train": 300, "num_validation": 50, "num_test": 50, "min_length": 10, "max_length": 80, "seed": 0}
     outs = []
     with caplog.at_level(logging.INFO, logger="mhalab.data.listops"):
-        _together(*[lambda: outs.append(generate_listops(tmp_path, **kw))] * 2)
+        together(*[lambda: outs.append(generate_listops(tmp_path, **kw))] * 2)
     assert len(outs) == 2 and outs[0] == outs[1]
     assert sum("listops: generated" in r.getMessage() for r in caplog.records) == 1
 

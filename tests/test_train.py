@@ -260,10 +260,9 @@ def test_data_is_encoded_on_every_core_then_tokenizers_go_single_threaded_before
         return real(*args, **kwargs)
 
     monkeypatch.setattr(datamodule, "encode_texts", spy)
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", user or "unset below")  # restored after the test, either way
     if user is None:
-        monkeypatch.delenv("TOKENIZERS_PARALLELISM", raising=False)
-    else:
-        monkeypatch.setenv("TOKENIZERS_PARALLELISM", user)
+        monkeypatch.delenv("TOKENIZERS_PARALLELISM")
     build(compose_train([], tmp_path, toy_data_dir, tmp_path / "cache"))
     assert seen and set(seen) == {user}
     assert os.environ["TOKENIZERS_PARALLELISM"] == "false"

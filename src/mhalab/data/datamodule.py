@@ -226,15 +226,14 @@ class TextClassificationDataModule(L.LightningDataModule):
         """Create the cached tokenizer and encoded splits if they are not there yet (once: a run that wants the
         same entry meanwhile waits for it)."""
         self.validate()
-        _, enc_dir = self._cache_paths()
+        tok_path, enc_dir = self._cache_paths()
         if (enc_dir / "meta.json").exists():
             return
         with locked(enc_dir.with_suffix(".lock")):
             if not (enc_dir / "meta.json").exists():  # another run may have built it while this one waited
-                self._build_entry()
+                self._build_entry(tok_path, enc_dir)
 
-    def _build_entry(self) -> None:
-        tok_path, enc_dir = self._cache_paths()
+    def _build_entry(self, tok_path: Path, enc_dir: Path) -> None:
         t0 = time.perf_counter()
         raw = self.read_splits()
         log.info("%s: read and checked %s rows in %.1fs", self.name,
