@@ -57,7 +57,7 @@ def reset_parameters(module: nn.Module) -> None:
     """Redraw every parameter and random buffer of `module` as its constructors drew them.
 
     Descendants before ancestors, as in construction: a parent's init overwrites its children's
-    defaults (MultiHeadAttention puts xavier on W_Q/W_K/W_V and zero biases over nn.Linear's init,
+    defaults (MultiHeadAttention zeroes its out_proj's bias over nn.Linear's init,
     T5RelativeBias puts N(0, 0.02) over its nn.Embedding's N(0, 1)), so it must run after theirs.
     modules() is parent-first, hence reversed. MultiHeadAttention's method is `_reset_parameters`,
     named as in nn.MultiheadAttention.
@@ -303,17 +303,26 @@ class TransformerEncoder(nn.Module):
             L = src.size(1) if src.dim() == 3 and not seq_first else src.size(0)
             mask = causal_mask(L, L, src.device)
         bf = src.transpose(0, 1) if seq_first else src  # (B, L, E): the layout unpadding reads
-        unpad = self._unpadding(bf, src_key_padding_mask)
-        if unpad is None:  # no padding (or unpad=False): every layer on the padded layout
-            x = src
-            for layer in self.layers:
-                x = layer(x, src_mask=mask, src_key_padding_mask=src_key_padding_mask)
-            return self.norm(x) if self.norm is not None else x
-        # Unpad once for the whole stack (see unpad.Unpadding): (B, L, E) -> (N, E) real tokens; norms,
-        # residuals and feed-forwards skip the pads and only attention sees the (B, L) layout. The
-        # real tokens' outputs equal the padded computation's; padded positions come out as 0.
-        x = unpad.unpack(self.forward_packed(unpad.pack(bf), unpad, mask))  # (N, E) -> (B, L, E)
-        return x.transpose(0, 1) if seq_first else x
+        unpads = self._unpads(bf, src_key_padding_mask)
+        compiling = torch.compiler.is_compiling()
+        if unpads and not compiling:
+            # Unpad once for the whole stack (see unpad.Unpadding): (B, L, E) -> (N, E) real tokens; norms,
+            # residuals and feed-forwards skip the pads and only attention sees the (B, L) layout. The
+            # real tokens' outputs equal the padded computation's; padded positions come out as 0.
+            unpad = Unpadding(src_key_padding_mask)
+            if 0 < unpad.num_tokens < src_key_padding_mask.numel():  # else nothing to skip (or nothing real)
+                x = unpad.unpack(self.forward_packed(unpad.pack(bf), unpad, mask))  # (N, E) -> (B, L, E)
+                return x.transpose(0, 1) if seq_first else x
+        x = src  # every layer on the padded layout
+        for layer in self.layers:
+            x = layer(x, src_mask=mask, src_key_padding_mask=src_key_padding_mask)
+        x = self.norm(x) if self.norm is not None else x
+        if unpads and compiling:
+            # a compiled graph has static shapes, so no unpadding (N would be data-dependent): every position is
+            # computed, then the pads are zeroed as the unpadded path leaves them (unless every position is a pad)
+            pads = (src_key_padding_mask.t() if seq_first else src_key_padding_mask).unsqueeze(-1)
+            x = torch.where(src_key_padding_mask.all(), x, x.masked_fill(pads, 0.0))
+        return x
 
     def forward_packed(self, x: Tensor, unpad: Unpadding, mask: Tensor | None = None) -> Tensor:
         """The stack on packed tokens x (N, E) -> (N, E): the real tokens of unpad's padded layout (for packed
@@ -324,17 +333,12 @@ class TransformerEncoder(nn.Module):
             x = layer(x, src_mask=mask, unpad=unpad)
         return self.norm(x) if self.norm is not None else x
 
-    def _unpadding(self, src: Tensor, kpm: Tensor | None) -> Unpadding | None:
-        """An Unpadding when it applies: a bool (B, L) mask that pads something, src (B, L, E). Else None, and the
-        padded path runs (it is also the one that reports malformed inputs and masks)."""
-        if not self.unpad or kpm is None or kpm.dtype != torch.bool or src.dim() != 3:
-            return None
-        if tuple(kpm.shape) != tuple(src.shape[:2]) or not all(
-            isinstance(lyr, TransformerEncoderLayer) for lyr in self.layers
-        ):
-            return None
-        unpad = Unpadding(kpm)
-        return unpad if 0 < unpad.num_tokens < kpm.numel() else None
+    def _unpads(self, src: Tensor, kpm: Tensor | None) -> bool:
+        """Whether the stack skips padded positions: unpad=True, a bool (B, L) mask and src (B, L, E), and layers that
+        run on packed tokens. Else the padded path runs (it is also the one that reports malformed inputs)."""
+        return (self.unpad and kpm is not None and kpm.dtype == torch.bool and src.dim() == 3
+                and tuple(kpm.shape) == tuple(src.shape[:2])
+                and all(isinstance(lyr, TransformerEncoderLayer) for lyr in self.layers))
 
     @classmethod
     def from_official(cls, enc: nn.TransformerEncoder, explicit: bool = False) -> TransformerEncoder:

@@ -93,7 +93,7 @@ def forward_flops(*, batch: int, seq_len: int, num_tokens: int, dim: int, heads:
     if pooling == "cls":
         L, N = L + 1, N + B
         lengths = None if lengths is None else [n + 1 for n in lengths]
-    # custom encoder: unpadded only when something is padded (TransformerEncoder._unpadding); N = B * L otherwise
+    # custom encoder: unpadded only when something is padded (TransformerEncoder.forward); N = B * L otherwise
     positions = N if encoder == "custom" else B * L
     projections = 2 * positions * E * 3 * D + 2 * positions * D * E  # in-projection (E -> 3D) and W_O (D -> E)
     feed_forward = 2 * 2 * positions * E * ff_dim  # E -> F -> E
