@@ -168,14 +168,12 @@ def run_official(off, case, need_weights):
 
 
 def param_grads_match(ours, off, tol=TOL):
-    """Our W_Q/W_K/W_V gradients are the three chunks of in_proj_weight.grad (and in_proj_bias.grad)."""
-    for lin, g in zip((ours.W_Q, ours.W_K, ours.W_V), off.in_proj_weight.grad.chunk(3)):
-        close(lin.weight.grad, g, tol, "in_proj_weight chunk grad")
-    close(ours.W_O.weight.grad, off.out_proj.weight.grad, tol, "out_proj.weight grad")
-    if off.in_proj_bias is not None:
-        for lin, g in zip((ours.W_Q, ours.W_K, ours.W_V), off.in_proj_bias.grad.chunk(3)):
-            close(lin.bias.grad, g, tol, "in_proj_bias chunk grad")
-        close(ours.W_O.bias.grad, off.out_proj.bias.grad, tol, "out_proj.bias grad")
+    """Every parameter's gradient is PyTorch's, name for name: ours stores nn.MultiheadAttention's parameters under its
+    names (in_proj_weight = [W_Q; W_K; W_V], in_proj_bias, out_proj = W_O), in its order."""
+    theirs = dict(off.named_parameters())
+    assert [name for name, _ in ours.named_parameters()] == list(theirs)
+    for name, p in ours.named_parameters():
+        close(p.grad, theirs[name].grad, tol, f"{name} grad")
 
 
 # ---------------------------------------------------------------- equality with nn.MultiheadAttention
@@ -542,11 +540,11 @@ def test_fully_masked_rows_are_zero_and_finite(dtype_name, how, need_weights):
         assert (live.sum(-1) - 1).abs().max().item() < (1e-6 if w.dtype == torch.float32 else 2e-2)
     else:
         assert w is None
-    # gradients flowing in only through the dead rows are exactly zero (except W_O's bias)
+    # gradients flowing in only through the dead rows are exactly zero (except out_proj's, W_O's, bias)
     x, _, _ = forward(g_out * dead[..., None])
     assert torch.equal(x.grad, torch.zeros_like(x.grad))
     for name, p in ours.named_parameters():
-        if name != "W_O.bias":
+        if name != "out_proj.bias":
             assert torch.equal(p.grad, torch.zeros_like(p.grad)), name
     # the live rows still equal nn.MultiheadAttention (float32 reference; looser for half precision)
     with torch.no_grad():

@@ -189,14 +189,21 @@ def test_from_official_keeps_eval_mode_dtype_and_frozen_weights():
     assert not ours.to_official().q_proj_weight.requires_grad
 
 
-def test_pytorch_attribute_names_are_views_of_our_weights():
+def test_pytorch_names_are_the_parameters_and_the_articles_are_views_of_them():
     ours = perturb(MultiHeadAttention(E, H))
-    w = torch.cat([ours.W_Q.weight, ours.W_K.weight, ours.W_V.weight])
-    assert torch.equal(ours.in_proj_weight, w) and ours.out_proj is ours.W_O and ours.q_proj_weight is None
+    theirs = nn.MultiheadAttention(E, H)
+    assert list(ours.state_dict()) == list(theirs.state_dict())  # in_proj_weight, in_proj_bias, out_proj.*
+    assert [n for n, _ in ours.named_parameters()] == [n for n, _ in theirs.named_parameters()]
+    for i, lin in enumerate((ours.W_Q, ours.W_K, ours.W_V)):  # rows of in_proj_weight, sharing its memory
+        assert isinstance(lin, nn.Linear) and lin.weight._base is ours.in_proj_weight
+        assert lin.weight.data_ptr() == ours.in_proj_weight[i * E].data_ptr()
+        assert torch.equal(lin.bias, ours.in_proj_bias[i * E:(i + 1) * E])
+    assert ours.out_proj is ours.W_O and ours.q_proj_weight is None
     assert ours._qkv_same_embed_dim and ours.dropout == 0.0
     sep = MultiHeadAttention(E, H, kdim=6, vdim=10)
     assert not sep._qkv_same_embed_dim and sep.in_proj_weight is None and sep.k_proj_weight.shape == (E, 6)
-    assert "in_proj_weight" not in ours.state_dict()  # the article's names stay the parameters
+    assert sep.W_K.weight is sep.k_proj_weight and sep.W_K.in_features == 6
+    assert list(sep.state_dict()) == list(nn.MultiheadAttention(E, H, kdim=6, vdim=10).state_dict())
 
 
 def test_a_tensor_as_the_fifth_argument_is_refused():

@@ -420,7 +420,7 @@ def test_every_layer_is_initialised_like_the_first_with_its_own_draws():
         for name, lin in (("ffn[0]", lyr.ffn[0]), ("ffn[3]", lyr.ffn[3])):
             assert (lin.bias != 0).all() and uniform_like(lin.bias, 1 / math.sqrt(lin.in_features), 0.2), (i, name)
     draws = [random_draws(lyr) for lyr in layers]
-    assert set(draws[0]) == {f"self_attn.W_{x}.weight" for x in "QKVO"} | {
+    assert set(draws[0]) == {"self_attn.in_proj_weight", "self_attn.out_proj.weight"} | {
         "ffn.0.weight", "ffn.0.bias", "ffn.3.weight", "ffn.3.bias"}
     for i in range(len(layers)):
         assert set(draws[i]) == set(draws[0]), i

@@ -54,9 +54,9 @@ def test_head_dim_equals_the_papers_per_head_definition_outputs_and_gradients(ne
         assert weights.shape == (3, H, 7, 7)
         close(weights.sum(-1), torch.ones(3, H, 7, dtype=torch.float64), 1e-12, "weight rows sum to 1")
     g = torch.randn_like(ref)[keep]
-    got = torch.autograd.grad(ours[keep], [x, mha.W_Q.weight, mha.W_O.weight], g)
-    want = torch.autograd.grad(ref[keep], [x, mha.W_Q.weight, mha.W_O.weight], g)
-    for name, a, b in zip(("x", "W_Q", "W_O"), got, want):
+    got = torch.autograd.grad(ours[keep], [x, mha.in_proj_weight, mha.out_proj.weight], g)
+    want = torch.autograd.grad(ref[keep], [x, mha.in_proj_weight, mha.out_proj.weight], g)
+    for name, a, b in zip(("x", "in_proj_weight (W_Q; W_K; W_V)", "out_proj (W_O)"), got, want):
         close(a, b, 1e-12, f"grad {name}")
 
 

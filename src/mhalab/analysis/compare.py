@@ -100,21 +100,10 @@ def maxdiff(a: Tensor, b: Tensor) -> float:
 
 
 def ours_grads_as_official(ours: nn.Module) -> dict[str, Tensor]:
-    """Our parameter gradients under official names: W_Q/W_K/W_V grads stack into in_proj_*."""
-    out, qkv = {}, {}
-    for name, p in ours.named_parameters():
-        for part in ("W_Q", "W_K", "W_V"):
-            if f"{part}." in name:
-                prefix, kind = name.split(f"{part}.")
-                qkv.setdefault((prefix, kind), []).append(p.grad)
-                break
-        else:
-            out[
-                name.replace("W_O.", "out_proj.").replace("ffn.0.", "linear1.").replace("ffn.3.", "linear2.")
-            ] = p.grad
-    for (prefix, kind), grads in qkv.items():
-        out[f"{prefix}in_proj_{kind}"] = torch.cat(grads)
-    return out
+    """Our parameter gradients under official names: our attention's parameters already have PyTorch's names
+    (in_proj_weight, in_proj_bias, out_proj.*); our layer's feed-forward ffn.0 / ffn.3 is PyTorch's linear1 / linear2."""
+    return {name.replace("ffn.0.", "linear1.").replace("ffn.3.", "linear2."): p.grad
+            for name, p in ours.named_parameters()}
 
 
 def param_diff(ours: nn.Module, off: nn.Module) -> float:

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from mhalab.nn.masks import dead_rows, merge_masks, to_additive
+from mhalab.nn.masks import ShapeError, dead_rows, merge_masks, to_additive
 from mhalab.nn.unpad import Unpadding
 from mhalab.nn.varlen import varlen_applies, varlen_attention
 
@@ -76,12 +76,8 @@ class ScaledDotProductAttention(nn.Module):
         # Q: (..., L_q, d)  K, V: (..., L_k, d)  mask: bool/float broadcastable to (..., L_q, L_k)
         if mask is not None and (mask.dtype == torch.bool or mask.dtype != Q.dtype):
             mask = to_additive(mask, "mask", Q.dtype)
-        dead = dead_rows(mask)
-        if dead is not None and dead.device.type == "cpu" and not dead.any():
-            # nothing to zero: skip the two masked_fill copies below (the fused path's is a full copy
-            # of the output). On a GPU this check would cost a host sync, so there we always zero.
-            dead = None
-        if dead is not None:
+        dead = dead_rows(mask)  # no test of whether any row is dead: that would be a host sync on a GPU and a
+        if dead is not None:    # data-dependent branch under torch.compile; zeroing all-live rows is a no-op
             mask = mask.masked_fill(dead, 0.0)  # keep softmax finite; the row is zeroed below
 
         if need_weights:
@@ -151,6 +147,65 @@ def check_heads(embed_dim: int, num_heads: int, names: tuple[str, str] = ("embed
     return embed_dim // num_heads
 
 
+PROJECTIONS = ("W_Q", "W_K", "W_V")  # the article's names for the three input projections, in in_proj_weight's order
+
+
+class Projection(nn.Linear):
+    """W_Q, W_K or W_V of a MultiHeadAttention: an nn.Linear (type, forward, repr) whose weight and bias are rows of
+    its owner's parameters, not parameters of its own.
+
+    weight: rows [i*n, (i+1)*n) of in_proj_weight (n = heads x head_dim), or q/k/v_proj_weight itself when kdim /
+    vdim differ from embed_dim; bias: the same rows of in_proj_bias. Both are looked up on each access, so they
+    follow the owner's parameters when those are replaced (a new nn.Parameter, load_state_dict(assign=True), .to()).
+    An in-place write (nn.init.*_, copy_, mul_ under no_grad, reset_parameters()) lands in the owner's parameter.
+    What a view cannot be is refused in one line: rebinding `W_Q.weight = ...`; and requires_grad_ on the view
+    (PyTorch's own error: freeze in_proj_weight, one flag for the three, as in nn.MultiheadAttention). The owner
+    is a plain reference, not a registered module: modules(), parameters() and state_dict() see each weight once,
+    under PyTorch's name.
+    """
+
+    def __init__(self, owner: MultiHeadAttention, index: int):
+        nn.Module.__init__(self)  # not nn.Linear.__init__: it would register a weight and bias of its own
+        object.__setattr__(self, "_owner", owner)  # not a submodule (no cycle): deepcopy and pickle follow it
+        object.__setattr__(self, "index", index)
+
+    @property
+    def in_features(self) -> int:
+        o = self._owner
+        return (o.embed_dim, o.kdim, o.vdim)[self.index]
+
+    @property
+    def out_features(self) -> int:
+        return self._owner.inner_dim
+
+    def source(self, name: str) -> str:
+        """Where `weight` or `bias` lives on the owner, as a phrase."""
+        o, i, n = self._owner, self.index, self._owner.inner_dim
+        if name == "weight" and o.in_proj_weight is None:
+            return ("q_proj_weight", "k_proj_weight", "v_proj_weight")[i]
+        return f"in_proj_{name}[{i * n}:{(i + 1) * n}]"
+
+    @property
+    def weight(self) -> Tensor:  # (n, in_features)
+        o, i, n = self._owner, self.index, self._owner.inner_dim
+        if o.in_proj_weight is None:
+            return (o.q_proj_weight, o.k_proj_weight, o.v_proj_weight)[i]
+        return o.in_proj_weight[i * n:(i + 1) * n]
+
+    @property
+    def bias(self) -> Tensor | None:  # (n,)
+        b, i, n = self._owner.in_proj_bias, self.index, self._owner.inner_dim
+        return None if b is None else b[i * n:(i + 1) * n]
+
+    def __setattr__(self, name: str, value) -> None:
+        if name in ("weight", "bias"):
+            raise AttributeError(
+                f"{PROJECTIONS[self.index]}.{name} is a view of {self.source(name)}: write into it in place "
+                f"(nn.init.*_, .copy_(...), under torch.no_grad()), or assign {self.source(name).split('[')[0]} on "
+                f"the attention module.")
+        super().__setattr__(name, value)
+
+
 class MultiHeadAttention(nn.MultiheadAttention):
     """The article's MHA: project with W_Q/W_K/W_V, split heads, attend, merge, project with W_O; with the whole
     contract of nn.MultiheadAttention, so it can stand in for PyTorch's inside any model (see mhalab.nn.swap).
@@ -178,10 +233,20 @@ class MultiHeadAttention(nn.MultiheadAttention):
     forward(x, attn_mask=None, need_weights=..., unpad=Unpadding(key_padding_mask)) is self-attention on packed
     tokens x (N, E) -> ((N, E), weights), as TransformerEncoder runs it (see unpad.Unpadding).
 
-    nn.MultiheadAttention's attribute names are views of ours (in_proj_weight = [W_Q; W_K; W_V], out_proj = W_O,
-    q_proj_weight, ...): code that reads them, as nn.TransformerEncoderLayer's fused inference path does, gets
-    these weights. The parameters are W_Q, W_K, W_V, W_O (and bias_k, bias_v), so state dicts keep the article's
-    names; it is an nn.MultiheadAttention only by type and attributes (nn.MultiheadAttention.__init__ is not run).
+    Storage: nn.MultiheadAttention's parameters, under its names and in its order. `in_proj_weight` (3 x H x d, E)
+    holds W_Q, W_K, W_V stacked (`q_proj_weight`, `k_proj_weight`, `v_proj_weight` instead when kdim / vdim differ
+    from embed_dim), `in_proj_bias` (3 x H x d) their biases, `out_proj` is W_O, and `bias_k`, `bias_v`. The
+    article's W_Q, W_K, W_V are nn.Linear modules whose weight and bias are row views of those (see Projection), and
+    W_O is out_proj. Why this way round: code written around PyTorch's module writes through PyTorch's names
+    (`nn.init.xavier_uniform_(attn.in_proj_weight)`, `in_proj_weight.requires_grad_(False)`, assigning a new
+    nn.Parameter, `load_state_dict` of the original model's checkpoint), and each of those needs a leaf parameter
+    under that name; rows of a parameter are a true view, so an in-place write through W_Q.weight lands in
+    in_proj_weight too, whereas the other way round in_proj_weight would be a concatenation, a copy that writes
+    vanish into. So a state dict has PyTorch's keys (checkpoints cross between a model and its swapped copy), the
+    optimizer sees each weight once, and self-attention projects with one matmul on in_proj_weight, with no copy.
+    State dicts with the article's keys (`W_Q.weight` ...; mhalab's checkpoints before this storage) load through
+    upgrade_state_dict, applied by load_state_dict. nn.MultiheadAttention.__init__ is not run (ours builds the same
+    parameters, then the article's views).
     """
 
     def __init__(
@@ -207,7 +272,7 @@ class MultiHeadAttention(nn.MultiheadAttention):
         explicit: bool = False,
         head_dim: int | None = None,
     ):
-        nn.Module.__init__(self)  # ours holds W_Q ... W_O; nn.MultiheadAttention's names are views (below)
+        nn.Module.__init__(self)  # nn.MultiheadAttention's parameters are built below, under its names
         for name, flag in (("bias", bias), ("add_bias_kv", add_bias_kv), ("add_zero_attn", add_zero_attn),
                            ("batch_first", batch_first), ("average_attn_weights", average_attn_weights)):
             if not isinstance(flag, bool):
@@ -223,10 +288,25 @@ class MultiHeadAttention(nn.MultiheadAttention):
         self.average_attn_weights = average_attn_weights
         self.add_zero_attn = add_zero_attn
         f = {"device": device, "dtype": dtype}
-        self.W_Q = nn.Linear(embed_dim, self.inner_dim, bias=bias, **f)
-        self.W_K = nn.Linear(self.kdim, self.inner_dim, bias=bias, **f)
-        self.W_V = nn.Linear(self.vdim, self.inner_dim, bias=bias, **f)
-        self.W_O = nn.Linear(self.inner_dim, embed_dim, bias=bias, **f)
+        # nn.MultiheadAttention's parameters, names and registration order (so state dicts match key for key)
+        n = self.inner_dim
+        if self.kdim == self.vdim == embed_dim:  # packed, as PyTorch's _qkv_same_embed_dim
+            self.in_proj_weight = nn.Parameter(torch.empty(3 * n, embed_dim, **f))  # [W_Q; W_K; W_V]
+            for name in ("q_proj_weight", "k_proj_weight", "v_proj_weight"):
+                self.register_parameter(name, None)
+        else:
+            self.q_proj_weight = nn.Parameter(torch.empty(n, embed_dim, **f))
+            self.k_proj_weight = nn.Parameter(torch.empty(n, self.kdim, **f))
+            self.v_proj_weight = nn.Parameter(torch.empty(n, self.vdim, **f))
+            self.register_parameter("in_proj_weight", None)
+        if bias:
+            self.in_proj_bias = nn.Parameter(torch.empty(3 * n, **f))
+        else:
+            self.register_parameter("in_proj_bias", None)
+        self.out_proj = nn.modules.linear.NonDynamicallyQuantizableLinear(n, embed_dim, bias=bias, **f)  # W_O
+        # the article's W_Q, W_K, W_V: views of the rows above, not registered (each weight is registered once)
+        for i, name in enumerate(PROJECTIONS):
+            object.__setattr__(self, name, Projection(self, i))
         # add_bias_kv: one learned key and value appended to every sequence's keys (PyTorch's bias_k, bias_v)
         self.bias_k = nn.Parameter(torch.empty(1, 1, self.inner_dim, **f)) if add_bias_kv else None
         self.bias_v = nn.Parameter(torch.empty(1, 1, self.inner_dim, **f)) if add_bias_kv else None
@@ -239,25 +319,27 @@ class MultiHeadAttention(nn.MultiheadAttention):
         self._reset_parameters()
 
     def _reset_parameters(self) -> None:
-        # nn.MultiheadAttention's init: xavier on the stacked (3E, E) in-projection (each of W_Q, W_K, W_V on its
-        # own when kdim / vdim differ), zero biases, xavier-normal bias_k / bias_v; W_O keeps nn.Linear's weight
-        # init, as PyTorch's out_proj. (With head_dim given, the stack is (3 x heads x head_dim, E).)
-        lins = (self.W_Q, self.W_K, self.W_V)
-        with torch.no_grad():
-            if self.kdim == self.vdim == self.embed_dim:
-                w = torch.empty(3 * self.inner_dim, self.embed_dim)
+        # nn.MultiheadAttention's init, draw for draw: xavier on the stacked (3E, E) in-projection (each of q, k, v
+        # on its own when kdim / vdim differ), zero biases, xavier-normal bias_k / bias_v; out_proj keeps nn.Linear's
+        # weight init. (With head_dim given, the stack is (3 x heads x head_dim, E).)
+        if self.in_proj_weight is not None:
+            nn.init.xavier_uniform_(self.in_proj_weight)
+        else:
+            for w in (self.q_proj_weight, self.k_proj_weight, self.v_proj_weight):
                 nn.init.xavier_uniform_(w)
-                for lin, chunk in zip(lins, w.chunk(3)):
-                    lin.weight.copy_(chunk)
-            else:
-                for lin in lins:
-                    nn.init.xavier_uniform_(lin.weight)
-            for lin in (*lins, self.W_O):
-                if lin.bias is not None:
-                    nn.init.zeros_(lin.bias)
-            for b in (self.bias_k, self.bias_v):
-                if b is not None:
-                    nn.init.xavier_normal_(b)
+        if self.in_proj_bias is not None:
+            nn.init.zeros_(self.in_proj_bias)
+            nn.init.zeros_(self.out_proj.bias)
+        for b in (self.bias_k, self.bias_v):
+            if b is not None:
+                nn.init.xavier_normal_(b)
+
+    def __setattr__(self, name: str, value) -> None:
+        if name in PROJECTIONS and name in self.__dict__:
+            raise AttributeError(
+                f"{name} is a view of {self.__dict__[name].source('weight')}: write into {name}.weight in place "
+                f"(nn.init.*_, .copy_(...)), or assign that parameter on the attention module.")
+        super().__setattr__("out_proj" if name == "W_O" else name, value)  # W_O is out_proj
 
     __setstate__ = nn.Module.__setstate__  # not nn.MultiheadAttention's (it adds a _qkv_same_embed_dim entry)
 
@@ -278,41 +360,21 @@ class MultiHeadAttention(nn.MultiheadAttention):
 
     @property
     def _qkv_same_embed_dim(self) -> bool:
-        """True when nn.MultiheadAttention's packed weights (in_proj_weight, in_proj_bias, out_proj) describe this
-        module completely: kdim = vdim = embed_dim and nothing but PyTorch's attention (no bias_kv or zero_attn,
-        variant or other head width). PyTorch's fused paths (nn.TransformerEncoderLayer in inference) read it
-        before they compute from in_proj_weight alone; for anything else they call forward."""
-        return (self.kdim == self.vdim == self.embed_dim and self.bias_k is None and not self.add_zero_attn
-                and self.not_official() is None)
+        """PyTorch's meaning, kdim = vdim = embed_dim (in_proj_weight holds W_Q, W_K, W_V; q/k/v_proj_weight are
+        None), and nothing PyTorch's attention cannot compute (a variant, another head width): PyTorch's fused paths
+        (nn.TransformerEncoderLayer in inference) read it before they compute from in_proj_weight alone, so with a
+        variant they decline and call forward. F.multi_head_attention_forward reads it to pick its weights."""
+        return self.kdim == self.vdim == self.embed_dim and self.not_official() is None
+
+    def extra_repr(self) -> str:
+        views = "in_proj_weight rows" if self.in_proj_weight is not None else "q/k/v_proj_weight"
+        return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, head_dim={self.head_dim}, "
+                f"batch_first={self.batch_first}; W_Q, W_K, W_V: views of {views}; W_O: out_proj")
 
     @property
-    def in_proj_weight(self) -> Tensor | None:
-        """[W_Q; W_K; W_V], (3E, E); None when kdim / vdim differ from embed_dim, as in PyTorch (q/k/v_proj_weight
-        hold them). Also with a variant, whose _qkv_same_embed_dim is False: PyTorch's encoder reads it before
-        its layers decline their fused path."""
-        if not self.kdim == self.vdim == self.embed_dim:
-            return None
-        return torch.cat([self.W_Q.weight, self.W_K.weight, self.W_V.weight])
-
-    @property
-    def in_proj_bias(self) -> Tensor | None:
-        return None if self.W_Q.bias is None else torch.cat([self.W_Q.bias, self.W_K.bias, self.W_V.bias])
-
-    @property
-    def q_proj_weight(self) -> Tensor | None:
-        return None if self._qkv_same_embed_dim else self.W_Q.weight
-
-    @property
-    def k_proj_weight(self) -> Tensor | None:
-        return None if self._qkv_same_embed_dim else self.W_K.weight
-
-    @property
-    def v_proj_weight(self) -> Tensor | None:
-        return None if self._qkv_same_embed_dim else self.W_V.weight
-
-    @property
-    def out_proj(self) -> nn.Linear:
-        return self.W_O
+    def W_O(self) -> nn.Linear:
+        """The article's output projection: out_proj, nn.MultiheadAttention's name for it."""
+        return self.out_proj
 
     def _variant(self) -> str | None:
         """The part of ours that is not softmax attention on the projections (a phrase), or None."""
@@ -342,21 +404,23 @@ class MultiHeadAttention(nn.MultiheadAttention):
 
     # ---- forward ----
     def _in_proj(self, x: Tensor) -> Tensor:
-        """Self-attention's three projections as one (E -> 3E) matmul: (..., E) -> (..., 3E) = [q | k | v].
-
-        Same numbers as W_Q, W_K, W_V applied one by one, with one kernel call (and one pass over x)
-        instead of three. The (3E, E) weight is concatenated on each call, which keeps W_Q/W_K/W_V
-        plain nn.Linear modules (the article's names, and what the converters copy); the copy costs
-        3*E^2 floats against the matmul's N*3E^2 multiply-adds.
-        """
-        w = torch.cat([self.W_Q.weight, self.W_K.weight, self.W_V.weight])
-        b = None if self.W_Q.bias is None else torch.cat([self.W_Q.bias, self.W_K.bias, self.W_V.bias])
-        return F.linear(x, w, b)
+        """Self-attention's three projections as one (E -> 3E) matmul on in_proj_weight: (..., E) -> (..., 3E) =
+        [q | k | v]. The same numbers as W_Q, W_K, W_V applied one by one, in one kernel call and one pass over x."""
+        if self.in_proj_weight is None:
+            raise ValueError(f"self-attention on one input needs kdim = vdim = embed_dim; this module has kdim="
+                             f"{self.kdim}, vdim={self.vdim}, embed_dim={self.embed_dim}: pass key and value.")
+        w, b = self.in_proj_weight, self.in_proj_bias
+        # a bias assigned in another dtype (PyTorch's module accepts one) is cast to the weight's
+        return F.linear(x, w, b if b is None or b.dtype == w.dtype else b.to(w.dtype))
 
     def _project(self, Q: Tensor, K: Tensor, V: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        if K is Q and V is Q:
+        if K is Q and V is Q and self.in_proj_weight is not None:
             return self._in_proj(Q).chunk(3, dim=-1)
         return self.W_Q(Q), self.W_K(K), self.W_V(V)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        upgrade_state_dict(state_dict, prefix)  # the article's keys (W_Q.weight ...) -> PyTorch's, in place
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def forward(
         self,
@@ -392,16 +456,16 @@ class MultiHeadAttention(nn.MultiheadAttention):
                 )
             out, weights = self._forward_packed(query, unpad, attn_mask, need_weights, is_causal)
             return out, _average(weights, average)
-        if query.is_nested:  # from nn.TransformerEncoder's inference path ("nested tensors")
-            return self._forward_nested(query, key, value, attn_mask, need_weights, average, is_causal)
         key = query if key is None else key
         value = key if value is None else value
-        batched = query.dim() == 3
+        batched = self._check_dims(query, key, value, key_padding_mask, attn_mask)
+        if query.is_nested:  # from nn.TransformerEncoder's inference path ("nested tensors")
+            return self._forward_nested(query, key, value, attn_mask, need_weights, average, is_causal)
         if not batched:  # unbatched (L, E): a batch of one
-            query, key, value = self._check_unbatched(query, key, value, key_padding_mask)
+            query, key, value = _same_identity(lambda t: t.unsqueeze(0), query, key, value)
             key_padding_mask = None if key_padding_mask is None else key_padding_mask.unsqueeze(0)
         elif not self.batch_first:  # (L, B, E) -> (B, L, E), views; q, k, v keep their identity for _project
-            query, key, value = _batch_first(query, key, value)
+            query, key, value = _same_identity(lambda t: t.transpose(0, 1), query, key, value)
         self._check_inputs(query, key, value)
 
         q, k, v = self._project(query, key, value)  # (B, L_q, H*d), (B, L_k, H*d) x 2
@@ -414,16 +478,37 @@ class MultiHeadAttention(nn.MultiheadAttention):
             return out.squeeze(1), None if weights is None else weights.squeeze(0)
         return (out.transpose(0, 1) if self.batch_first else out), weights
 
-    def _check_unbatched(self, query: Tensor, key: Tensor, value: Tensor, kpm: Tensor | None):
-        if query.dim() != 2 or key.dim() != 2 or value.dim() != 2:
-            raise ValueError(
-                f"query {tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)}: expected all "
-                f"batched (3-D, {'batch-first' if self.batch_first else 'sequence-first'}) or all unbatched "
-                f"(L, features)."
-            )
-        if kpm is not None and kpm.dim() != 1:
-            raise ValueError(f"key_padding_mask has shape {tuple(kpm.shape)}; unbatched inputs take an (L_k,) mask.")
-        return query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
+    def _check_dims(self, query: Tensor, key: Tensor, value: Tensor, kpm: Tensor | None,
+                    attn_mask: Tensor | None) -> bool:
+        """nn.MultiheadAttention's rules for the inputs' dimensions (F._mha_shape_check), in its words (code matches on
+        them), then ours. Returns whether the inputs are batched."""
+        kind, want = ("batched (3-D)", 3) if query.dim() == 3 else ("unbatched (2-D)", 2)
+        def layouts() -> str:  # only on failure: a strided nested tensor has no .shape
+            shapes = ", ".join(f"{n} {tuple(t.shape) if not t.is_nested else 'nested'}"
+                               for n, t in (("query", query), ("key", key), ("value", value)))
+            return (f"{shapes}: expected all batched (3-D, {'batch-first' if self.batch_first else 'sequence-first'})"
+                    f" or all unbatched (L, features).")
+
+        if query.dim() not in (2, 3):
+            raise ShapeError(f"query should be unbatched 2D or batched 3D tensor but received {query.dim()}-D query "
+                             f"tensor; {layouts()}")
+        if key.dim() != want or value.dim() != want:
+            raise ShapeError(f"For {kind} `query`, expected `key` and `value` to be {want}-D but found {key.dim()}-D "
+                             f"and {value.dim()}-D tensors respectively; {layouts()}")
+        if kpm is not None and kpm.dim() != want - 1:
+            raise ShapeError(f"For {kind} `query`, expected `key_padding_mask` to be `None` or {want - 1}-D but found "
+                             f"{kpm.dim()}-D tensor instead: key_padding_mask has shape {tuple(kpm.shape)}; it is "
+                             f"(batch, L_k), or (L_k,) for unbatched inputs, True at padded keys.")
+        if attn_mask is not None and attn_mask.dim() not in ((2, 3, 4) if want == 3 else (2, 3)):
+            raise ShapeError(f"For {kind} `query`, expected `attn_mask` to be `None`, 2-D or 3-D but found "
+                             f"{attn_mask.dim()}-D tensor instead: attn_mask has shape {tuple(attn_mask.shape)}; it "
+                             f"is (L_q, L_k) or (batch x heads, L_q, L_k) (ours also takes (batch, heads, L_q, L_k)).")
+        if want == 2 and attn_mask is not None and attn_mask.dim() == 3:
+            expected = (self.num_heads, query.size(0), key.size(0))
+            if tuple(attn_mask.shape) != expected:
+                raise ShapeError(f"Expected `attn_mask` shape to be {expected} but got {tuple(attn_mask.shape)}: "
+                                 f"an unbatched query takes a 3-D mask per head, (heads, L_q, L_k).")
+        return want == 3
 
     def _check_inputs(self, query: Tensor, key: Tensor, value: Tensor) -> None:
         """query (B, L_q, embed_dim), key (B, L_k, kdim), value (B, L_k, vdim), as laid out batch-first here."""
@@ -431,10 +516,10 @@ class MultiHeadAttention(nn.MultiheadAttention):
         for name, t, width in (("query", query, self.embed_dim), ("key", key, self.kdim), ("value", value, self.vdim)):
             if t.dim() != 3 or t.size(-1) != width:
                 dim = {"query": "embed_dim", "key": "kdim", "value": "vdim"}[name]
-                raise ValueError(f"{name} has shape {tuple(t.shape)}; expected ({layout}, {dim}={width}) "
+                raise ShapeError(f"{name} has shape {tuple(t.shape)}; expected ({layout}, {dim}={width}) "
                                  f"(batch_first={self.batch_first}) or unbatched (seq_len, {dim}).")
         if key.size(0) != query.size(0) or value.shape[:2] != key.shape[:2]:
-            raise ValueError(
+            raise ShapeError(
                 f"batch/length mismatch: query {tuple(query.shape)}, key {tuple(key.shape)}, value "
                 f"{tuple(value.shape)} (as batch-first); key and value need the same (batch, L_k), and batch "
                 f"must equal query's."
@@ -526,19 +611,25 @@ class MultiHeadAttention(nn.MultiheadAttention):
         out, weights = self._attend(q, k, v, unpad.key_padding_mask, attn_mask, need_weights)  # (B, L, E)
         return self.W_O(unpad.pack(out)), weights  # (N, E)
 
-    def _forward_nested(self, query: Tensor, key, value, attn_mask, need_weights, average, is_causal):
-        """Self-attention on a nested tensor (B sequences of their own lengths, batch-first), as
-        nn.TransformerEncoder passes in inference when PyTorch's fused layer declines (a variant of ours):
-        padded with a key-padding mask, attended, and nested again."""
-        if key is not None and key is not query or value is not None and value is not query:
-            raise ValueError("a nested-tensor query is taken for self-attention only (key and value the same).")
-        lengths = [t.size(0) for t in query.unbind()]
-        x = query.to_padded_tensor(0.0)  # (B, L, E), zeros at the pads
-        pad = torch.arange(x.size(1), device=x.device) >= torch.tensor(lengths, device=x.device)[:, None]  # (B, L)
-        q, k, v = self._project(x, x, x)
+    def _forward_nested(self, query: Tensor, key: Tensor, value: Tensor, attn_mask, need_weights, average, is_causal):
+        """Attention on nested tensors (B sequences of their own lengths, batch-first), as nn.TransformerEncoder passes
+        them in inference when PyTorch's fused layer declines (a variant of ours), or as a user does: each padded,
+        the keys' pads blocked by a key-padding mask, attended, and the output nested again at the query's lengths,
+        in the query's layout (strided or jagged)."""
+        def padded(t: Tensor) -> tuple[Tensor, list[int]]:  # nested (B, j, E) -> (B, L, E) with zeros at the pads
+            return t.to_padded_tensor(0.0), [s.size(0) for s in t.unbind()]
+
+        x, q_lengths = padded(query)
+        k_in, k_lengths = (x, q_lengths) if key is query else padded(key)
+        v_in, v_lengths = (k_in, k_lengths) if value is key else padded(value)
+        if k_lengths != v_lengths:
+            raise ShapeError(f"key and value need the same lengths; got {k_lengths} and {v_lengths}.")
+        pad = torch.arange(k_in.size(1), device=x.device) >= torch.tensor(k_lengths, device=x.device)[:, None]
+        q, k, v = self._project(x, k_in, v_in)  # (B, L_q, H*d), (B, L_k, H*d) x 2
         out, weights = self._attend(q, k, v, pad, attn_mask, need_weights, is_causal)
-        out = self.W_O(out)  # (B, L, E)
-        return torch.nested.as_nested_tensor([o[:n] for o, n in zip(out, lengths)]), _average(weights, average)
+        out = self.W_O(out)  # (B, L_q, E)
+        nested = torch.nested.as_nested_tensor([o[:n] for o, n in zip(out, q_lengths)], layout=query.layout)
+        return nested, _average(weights, average)
 
     # ---- converters to and from nn.MultiheadAttention ----
     @classmethod
@@ -565,9 +656,9 @@ class MultiHeadAttention(nn.MultiheadAttention):
         if why is not None:
             raise ValueError(f"to_official: nn.MultiheadAttention cannot express {why}; keep ours, or build it "
                              f"with the default kernel, no rotary / position_bias and head_dim=None.")
-        w = self.W_Q.weight
+        w = self.out_proj.weight
         mha = nn.MultiheadAttention(
-            self.embed_dim, self.num_heads, dropout=self.dropout, bias=self.W_Q.bias is not None,
+            self.embed_dim, self.num_heads, dropout=self.dropout, bias=self.in_proj_bias is not None,
             add_bias_kv=self.bias_k is not None, add_zero_attn=self.add_zero_attn, kdim=self.kdim, vdim=self.vdim,
             batch_first=self.batch_first, device=w.device, dtype=w.dtype,
         )
@@ -575,48 +666,59 @@ class MultiHeadAttention(nn.MultiheadAttention):
         return mha.train(self.training)
 
 
+# nn.MultiheadAttention's parameters by name (None where a configuration has no such parameter); ours has the same
+OFFICIAL_PARAMETERS = ("in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight", "in_proj_bias", "bias_k",
+                       "bias_v", "out_proj.weight", "out_proj.bias")
+
+
 def _copy_projections(dst: nn.MultiheadAttention, src: nn.MultiheadAttention) -> None:
-    """Copy every projection weight and bias, bias_k and bias_v, through nn.MultiheadAttention's names (views of
-    W_Q ... W_O on ours), with their requires_grad. Works either way: ours <- PyTorch's, PyTorch's <- ours."""
-    def pairs(m: nn.MultiheadAttention):
-        if isinstance(m, MultiHeadAttention):  # the parameters themselves, not the concatenated views
-            lins = (m.W_Q, m.W_K, m.W_V)
-            yield from zip(("q", "k", "v"), (lin.weight for lin in lins), (lin.bias for lin in lins))
-        else:
-            ws = (m.in_proj_weight.chunk(3) if m._qkv_same_embed_dim
-                  else (m.q_proj_weight, m.k_proj_weight, m.v_proj_weight))
-            bs = m.in_proj_bias.chunk(3) if m.in_proj_bias is not None else (None,) * 3
-            yield from zip(("q", "k", "v"), ws, bs)
-        yield "out", m.out_proj.weight, m.out_proj.bias
-        yield "bias_kv", m.bias_k, m.bias_v
-
+    """Copy every parameter, values and requires_grad, name for name: ours and PyTorch's have the same names and
+    shapes. Works either way: ours <- PyTorch's, PyTorch's <- ours."""
     with torch.no_grad():
-        for (_, dw, db), (_, sw, sb) in zip(pairs(dst), pairs(src)):
-            for d, s in ((dw, sw), (db, sb)):
-                if d is not None:
-                    d.copy_(s)
-    # requires_grad: PyTorch's module has one flag per packed tensor; ours one per Linear
-    for d_param, s_param in _grad_pairs(dst, src):
-        d_param.requires_grad_(s_param.requires_grad)
+        for name in OFFICIAL_PARAMETERS:
+            d, s = _parameter(dst, name), _parameter(src, name)
+            if (d is None) != (s is None):
+                raise ValueError(f"{name}: one module has it and the other does not (a bug in the conversion).")
+            if d is not None:
+                d.copy_(s)
+                d.requires_grad_(s.requires_grad)
 
 
-def _grad_pairs(dst: nn.MultiheadAttention, src: nn.MultiheadAttention):
-    """(parameter of dst, parameter of src whose requires_grad it takes)."""
-    ours, theirs = (dst, src) if isinstance(dst, MultiHeadAttention) else (src, dst)
-    packed = theirs._qkv_same_embed_dim
-    pairs = []
-    for lin, name in ((ours.W_Q, "q"), (ours.W_K, "k"), (ours.W_V, "v")):
-        pairs.append((lin.weight, theirs.in_proj_weight if packed else getattr(theirs, f"{name}_proj_weight")))
-        if lin.bias is not None:
-            pairs.append((lin.bias, theirs.in_proj_bias))
-    pairs += [(ours.W_O.weight, theirs.out_proj.weight)]
-    if ours.W_O.bias is not None:
-        pairs.append((ours.W_O.bias, theirs.out_proj.bias))
-    if ours.bias_k is not None:
-        pairs += [(ours.bias_k, theirs.bias_k), (ours.bias_v, theirs.bias_v)]
-    if dst is ours:
-        return pairs
-    return [(t, o) for o, t in pairs]
+def _parameter(m: nn.Module, name: str) -> Tensor | None:
+    """The parameter `name` (dotted) of m, or None where m's configuration has none."""
+    owner, _, leaf = name.rpartition(".")
+    return getattr(m.get_submodule(owner) if owner else m, leaf, None)
+
+
+def upgrade_state_dict(state_dict: dict, prefix: str = "") -> dict:
+    """The article's keys of one attention module (`{prefix}W_Q.weight`, ..., `{prefix}W_O.bias`: mhalab's state dicts
+    before its parameters took PyTorch's names) -> nn.MultiheadAttention's (`in_proj_weight` = [W_Q; W_K; W_V], or
+    q/k/v_proj_weight when their widths differ; `in_proj_bias`; `out_proj.*`), in place; returned. Anything else
+    is left as it is. MultiHeadAttention.load_state_dict applies it; for PyTorch's module, use official_state_dict."""
+    key = {f"W_{x}.{leaf}": f"{prefix}W_{x}.{leaf}" for x in "QKVO" for leaf in ("weight", "bias")}
+    if all(key[f"W_{x}.weight"] in state_dict for x in "QKV"):
+        ws = [state_dict.pop(key[f"W_{x}.weight"]) for x in "QKV"]
+        if ws[0].shape == ws[1].shape == ws[2].shape:  # kdim = vdim = embed_dim: PyTorch packs them
+            state_dict[f"{prefix}in_proj_weight"] = torch.cat(ws)
+        else:
+            for x, w in zip("qkv", ws):
+                state_dict[f"{prefix}{x}_proj_weight"] = w
+    if all(key[f"W_{x}.bias"] in state_dict for x in "QKV"):
+        state_dict[f"{prefix}in_proj_bias"] = torch.cat([state_dict.pop(key[f"W_{x}.bias"]) for x in "QKV"])
+    for leaf in ("weight", "bias"):
+        if key[f"W_O.{leaf}"] in state_dict:
+            state_dict[f"{prefix}out_proj.{leaf}"] = state_dict.pop(key[f"W_O.{leaf}"])
+    return state_dict
+
+
+def official_state_dict(state_dict: dict) -> dict:
+    """A copy of a whole model's state dict with every attention module's article keys (`...W_Q.weight`) under
+    nn.MultiheadAttention's names, for loading into a model that holds PyTorch's module:
+    `model.load_state_dict(official_state_dict(torch.load(path)))`. Keys already in PyTorch's names pass unchanged."""
+    out = dict(state_dict)
+    for prefix in {k[: -len("W_Q.weight")] for k in state_dict if k.endswith("W_Q.weight")}:
+        upgrade_state_dict(out, prefix)
+    return out
 
 
 def causal_mask(L_q: int, L_k: int, device=None) -> Tensor:
@@ -625,11 +727,11 @@ def causal_mask(L_q: int, L_k: int, device=None) -> Tensor:
     return torch.ones(L_q, L_k, dtype=torch.bool, device=device).triu(1)
 
 
-def _batch_first(query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """(L, B, E) -> (B, L, E) views, keeping `key is query` / `value is key` (self-attention's one projection)."""
-    q = query.transpose(0, 1)
-    k = q if key is query else key.transpose(0, 1)
-    v = k if value is key else (q if value is query else value.transpose(0, 1))
+def _same_identity(fn, query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """fn applied to query, key and value, keeping `key is query` / `value is key` (self-attention's one projection)."""
+    q = fn(query)
+    k = q if key is query else fn(key)
+    v = k if value is key else (q if value is query else fn(value))
     return q, k, v
 
 

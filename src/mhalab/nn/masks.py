@@ -19,6 +19,11 @@ import torch
 from torch import Tensor
 
 
+class ShapeError(ValueError, AssertionError):
+    """An input or mask whose shape does not fit: a ValueError, and an AssertionError as nn.MultiheadAttention raises
+    (its checks are asserts), so code written for either catches it; messages start with PyTorch's wording."""
+
+
 def to_additive(mask: Tensor, name: str, dtype: torch.dtype) -> Tensor:
     """bool (True = blocked) -> 0 / -inf; float -> cast to `dtype`; anything else is refused."""
     if mask.dtype == torch.bool:
@@ -64,7 +69,7 @@ def merge_masks(
         elif m.dim() == 4 and shape[0] in (1, batch) and shape[1] in (1, num_heads) and shape[2:] == (L_q, L_k):
             pass
         else:
-            raise ValueError(
+            raise ShapeError(
                 f"attn_mask has shape {shape}, which does not fit batch={batch}, heads={num_heads}, "
                 f"L_q={L_q}, L_k={L_k}. Expected one of ({L_q}, {L_k}), ({batch}, {L_q}, {L_k}), "
                 f"({batch * num_heads}, {L_q}, {L_k}) or ({batch}, {num_heads}, {L_q}, {L_k})."
@@ -72,7 +77,7 @@ def merge_masks(
         merged = m
     if key_padding_mask is not None:
         if tuple(key_padding_mask.shape) != (batch, L_k):
-            raise ValueError(
+            raise ShapeError(
                 f"key_padding_mask has shape {tuple(key_padding_mask.shape)}; expected (batch, L_k) = "
                 f"({batch}, {L_k}), True at padded keys."
             )

@@ -59,27 +59,8 @@ def swap_attention(model: nn.Module, to: str = "custom",
 
 
 def official_names(model: nn.Module) -> dict[str, list[nn.Parameter]]:
-    """The parameters of a model holding our attention, under the names nn.MultiheadAttention gives them: for each of
-    ours, `in_proj_weight` is [W_Q.weight; W_K.weight; W_V.weight] (or q/k/v_proj_weight when kdim / vdim differ),
-    `in_proj_bias` the three biases, `out_proj.*` W_O's; every other parameter keeps its name. Each name maps to
-    the parameters whose concatenation (dim 0) is that tensor, so the same names give values or gradients to
-    compare with the model before swap_attention."""
-    names: dict[str, list[nn.Parameter]] = {}
-    ours = {prefix: m for prefix, m in model.named_modules() if isinstance(m, MultiHeadAttention)}
-    for name, p in model.named_parameters():
-        prefix, _, leaf = name.rpartition(".")
-        owner, _, lin = prefix.rpartition(".")
-        mha = ours.get(owner) if lin in ("W_Q", "W_K", "W_V", "W_O") else None
-        if mha is None:
-            names[name] = [p]
-            continue
-        at = f"{owner}." if owner else ""
-        if lin == "W_O":
-            names[f"{at}out_proj.{leaf}"] = [p]
-        elif leaf == "bias":
-            names.setdefault(f"{at}in_proj_bias", []).append(p)
-        elif mha.kdim == mha.vdim == mha.embed_dim:  # PyTorch's packed case
-            names.setdefault(f"{at}in_proj_weight", []).append(p)
-        else:
-            names[f"{at}{lin[-1].lower()}_proj_weight"] = [p]
-    return names
+    """The parameters of a model holding our attention, under the names nn.MultiheadAttention gives them: since our
+    attention stores its parameters under PyTorch's names (in_proj_weight, in_proj_bias, out_proj.*, ...), that is
+    each parameter under its own name, as a one-element list (the form in which names and values compare with the
+    model before swap_attention)."""
+    return {name: [p] for name, p in model.named_parameters()}

@@ -30,7 +30,12 @@ from torchmetrics.classification import (
 from mhalab.model import ATTENTION_OPTIONS, SequenceClassifier
 from mhalab.nn.flops import train_flops
 from mhalab.train.class_report import build_report, default_labels
-from mhalab.train.optimizer import adamw_with_schedule, check_label_smoothing, check_schedule
+from mhalab.train.optimizer import (
+    adamw_with_schedule,
+    check_label_smoothing,
+    check_schedule,
+    upgrade_article_keys,
+)
 from mhalab.train.throughput import batch_tokens
 
 log = logging.getLogger("mhalab")
@@ -246,6 +251,7 @@ class Classifier(L.LightningModule):
         checkpoint["mhalab"] = dict(self._extras, token_counts=list(self.token_counts))
 
     def on_load_checkpoint(self, checkpoint):
+        upgrade_article_keys(checkpoint, self)  # a resume of a run written before PyTorch's parameter names
         saved = dict(checkpoint.get("mhalab", {}))
         counts = saved.pop("token_counts", None)
         self._extras = {**saved, **self._extras}  # what this process was built with wins (a resumed run)

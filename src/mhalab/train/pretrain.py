@@ -44,7 +44,7 @@ from mhalab.train.callbacks import GracefulStop, ResumeState
 from mhalab.train.checkpoint import SHAPE_KEYS
 from mhalab.train.csv_logger import ContinuedCSVLogger
 from mhalab.train.curves import loss_curves, masked_lm_finals
-from mhalab.train.optimizer import adamw_with_schedule
+from mhalab.train.optimizer import adamw_with_schedule, upgrade_article_keys
 
 log = logging.getLogger("mhalab")
 
@@ -72,6 +72,7 @@ class MaskedLMModule(L.LightningModule):
         checkpoint["tokens_seen"] = self.tokens_seen
 
     def on_load_checkpoint(self, checkpoint):
+        upgrade_article_keys(checkpoint, self)  # a resume of a pretraining written before PyTorch's parameter names
         self.tokens_seen = int(checkpoint.get("tokens_seen", 0))
 
     def training_step(self, batch, batch_idx):
