@@ -8,7 +8,7 @@ Every run writes into its own Hydra output dir, which one live process holds (mh
   logs/metrics.csv  Lightning's CSV log (train/loss, train/acc, train/device/* throughput per logging step;
                     val/* per epoch; lr), continued across attempts; logs/hparams.yaml: the config and provenance
   config_tree.log   the resolved config as printed at start (extras.print_config)
-  loss_curves.png   train and val loss and val acc, drawn from metrics.csv
+  loss_curves.png   train loss at each logged step and its EMA, val loss and acc at each validation (metrics.csv)
   confusion_{validation,test}.png  the best checkpoint's confusion matrices, by class name
   checkpoints/      best (by val/acc), and last.ckpt (every epoch, every N steps, and on Ctrl-C / SIGTERM)
 Re-running a command into the dir of a run that was interrupted or killed resumes it from last.ckpt.
