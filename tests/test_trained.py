@@ -46,7 +46,8 @@ def test_a_sweep_cut_short_by_limit_train_batches_names_no_best_setting_and_says
     assert res["verdict_by_claim"]["heads_8_or_16"] == NOT_DECIDED
     assert next(v for v in res["verdicts"] if v["key"] == "heads_8_or_16")["reason"] == why
     scale = report.split("## Scale measured")[1].split("##")[0]
-    assert "- optimizer steps: run 10, planned 770 (max_epochs over the whole training split, or max_steps)" in scale
+    assert ("- optimizer steps: run 10, planned 770 (max_epochs 10 × 77 steps an epoch over the whole training split, "
+            "or max_steps)") in scale
     assert "- limits: limit_train_batches=10, limit_test_batches=5" in scale
     assert "- evaluated: validation 100%, test 64% of the split" in scale
     assert "- **not trained to the end**: 6 of 6 finished members" in scale

@@ -284,6 +284,7 @@ def load_member(member_dir: Path, root: Path, metric: str = DEFAULT_METRIC) -> d
     ran = rec["trained"] if isinstance(rec["trained"], dict) else {}
     if ran:
         row["planned_steps"], row["stopped_early"] = ran.get("planned_steps"), bool(ran.get("stopped_early"))
+        row["steps_per_epoch"] = ran.get("steps_per_epoch")
         for split in ("train", "val", "test"):
             limit = ran.get(f"limit_{split}_batches")  # as text: the int 1 (a batch) is not the float 1.0 (all)
             row[f"limit_{split}_batches"] = None if limit is None else str(limit)

@@ -71,8 +71,9 @@ def _trained_lines(df: pd.DataFrame, metric: str, margin: float) -> list[str]:
     steps, planned = (pd.to_numeric(df[c], errors="coerce").dropna() for c in ("global_step", "planned_steps"))
     ok = valid_mask(df)
     cut = trained.not_trained_mask(df[ok], margin)
-    lines = [(f"- optimizer steps: run {trained.span(steps)}, planned {trained.span(planned)} (max_epochs over "
-              "the whole training split, or max_steps)")]
+    per_epoch = trained.span(df["steps_per_epoch"])
+    lines = [(f"- optimizer steps: run {trained.span(steps)}, planned {trained.span(planned)} (max_epochs "
+              f"{_uniq(df, 'max_epochs')} × {per_epoch} steps an epoch over the whole training split, or max_steps)")]
     if limits := _limits(df):
         lines.append(f"- limits: {limits}")
     lines.append(f"- evaluated: validation {trained.evaluated_share(df['val_evaluated'])}, test "

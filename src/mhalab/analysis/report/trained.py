@@ -18,7 +18,8 @@ sentence and gives the command that would decide it: the same sweep without the 
 twice the epochs. A results.csv written before these columns (``planned_steps``, ``monitored_gain``) is not
 checked, and its report says so.
 
-The results table's columns: ``global_step`` and ``planned_steps``, ``stopped_early``, ``limit_*_batches``,
+The results table's columns: ``global_step`` and ``planned_steps`` (``steps_per_epoch`` over the whole training
+split), ``stopped_early``, ``limit_*_batches``,
 ``val_evaluated`` / ``test_evaluated`` (the share of the split the metrics were computed on), ``validations``
 and ``monitored_gain`` (best of the last WINDOW validations minus the best before them, > 0 = better, metric units).
 """
@@ -37,7 +38,7 @@ WINDOW = 3  # the last validations a member must have stopped improving over
 # overrides that cut a run (or its evaluation) short: the command that decides a withheld result drops them
 CUTTING = ("trainer.limit_train_batches", "trainer.limit_val_batches", "trainer.limit_test_batches",
            "trainer.max_steps", "trainer.max_time")
-COLUMNS = ("planned_steps", "stopped_early", "limit_train_batches", "limit_val_batches", "limit_test_batches",
+COLUMNS = ("planned_steps", "steps_per_epoch", "stopped_early", "limit_train_batches", "limit_val_batches", "limit_test_batches",
            "val_evaluated", "test_evaluated", "validations", "monitored_gain")
 
 
