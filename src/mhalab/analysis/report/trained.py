@@ -4,9 +4,10 @@ Rule (docs/sweeps.md)
 ---------------------
 A finished member is **not trained to the end** when
 
-* it **stopped short**: fewer optimizer steps than its config planned over the whole training split
-  (`limit_train_batches`, `max_steps`, `max_time` cut it; mhalab.train.extent records both), unless early stopping
-  ended it (its validation metric had stopped improving: that is an end); or
+* it **stopped short**: fewer optimizer steps than its config planned (max_epochs over the whole training split,
+  or max_steps where that is set and smaller: a plan, as the LRA presets make it), cut by `limit_train_batches`,
+  `max_time` or an interruption (mhalab.train.extent records both), unless early stopping ended it (its validation
+  metric had stopped improving: that is an end); or
 * it was **still improving**: the best of its last ``WINDOW`` validations beats the best before them by more than
   the margin, the smallest difference that matters (1 point of an accuracy by default): early stopping with
   patience ``WINDOW`` and ``min_delta`` = the margin would not have stopped it. A member with fewer than
@@ -37,7 +38,7 @@ from mhalab.analysis.report.values import finite, fmt_num, to_float
 WINDOW = 3  # the last validations a member must have stopped improving over
 # overrides that cut a run (or its evaluation) short: the command that decides a withheld result drops them
 CUTTING = ("trainer.limit_train_batches", "trainer.limit_val_batches", "trainer.limit_test_batches",
-           "trainer.max_steps", "trainer.max_time")
+           "trainer.max_time")
 COLUMNS = ("planned_steps", "steps_per_epoch", "stopped_early", "limit_train_batches", "limit_val_batches", "limit_test_batches",
            "val_evaluated", "test_evaluated", "validations", "monitored_gain")
 
