@@ -68,6 +68,15 @@ def test_members_still_improving_at_their_last_validations_withhold_the_best_and
     assert "| heads=8,seed=1 | heads=8 | 1 | 770 / 770 | 10 / 10 | +3.00 pts |" in report
 
 
+def test_the_deciding_command_doubles_the_plan_members_were_still_improving_on():
+    """max_epochs where the epochs were the plan; max_steps where that was (planned below max_epochs' steps)."""
+    df = results_from_csv(TABLES / "still_improving" / "results.csv")
+    assert "run `mhalab-train sweep=heads data=trec max_epochs=20`" in best_withheld(df, "val/acc", 0.01)
+    by_steps = df.assign(planned_steps=500, global_step=500)  # 500 < 10 epochs x 77: max_steps=500 was the plan
+    by_steps.attrs = df.attrs
+    assert "run `mhalab-train sweep=heads data=trec ++trainer.max_steps=1000`" in best_withheld(by_steps, "val/acc", 0.01)
+
+
 def test_a_sweep_trained_to_the_end_keeps_its_best_setting_and_verdict(tmp_path):
     res, report = _report(tmp_path, "finished")  # the same accuracies, gains of 0.4 point: below the margin
     assert res["withheld"] is None and res["best_setting"]["setting"] == "heads=8"

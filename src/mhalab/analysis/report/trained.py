@@ -16,7 +16,7 @@ A finished member is **not trained to the end** when
 A **best setting** is withheld when any member it is ranked on (finished, with a value) is not trained to the end;
 a **verdict** ("not decided"), when any member of the groups it compares is. Either way the report says why in one
 sentence and gives the command that would decide it: the same sweep without the limits that cut it short, or with
-twice the epochs. A results.csv written before these columns (``planned_steps``, ``monitored_gain``) is not
+twice the planned length (max_epochs, or max_steps where that was the plan). A results.csv written before these columns (``planned_steps``, ``monitored_gain``) is not
 checked, and its report says so.
 
 The results table's columns: ``global_step`` and ``planned_steps`` (``steps_per_epoch`` over the whole training
@@ -137,9 +137,12 @@ def deciding_command(df: pd.DataFrame, members: pd.DataFrame, margin: float) -> 
         seeds = sorted({str(int(s)) for s in pd.to_numeric(df["seed"], errors="coerce").dropna()}, key=int)
         words = ["-m", *(f"{k}={','.join(v)}" for k, v in swept.items()), *([f"seed={','.join(seeds)}"] if seeds
                                                                              else []), *words]
-    epochs = pd.to_numeric(df.get("max_epochs"), errors="coerce").dropna() if "max_epochs" in df else pd.Series()
-    if still_improving(members, margin).any() and len(epochs):
-        words.append(f"max_epochs={int(epochs.max()) * 2}")
+    epochs, planned, per_epoch = (pd.to_numeric(df[c], errors="coerce").dropna().max() if c in df else math.nan
+                                  for c in ("max_epochs", "planned_steps", "steps_per_epoch"))
+    if still_improving(members, margin).any() and finite(planned):  # twice the plan: its epochs, or its max_steps
+        by_steps = finite(epochs) and finite(per_epoch) and planned < epochs * per_epoch
+        words.append(f"++trainer.max_steps={int(planned) * 2}" if by_steps or not finite(epochs)
+                     else f"max_epochs={int(epochs) * 2}")
     else:
         words += [w for w in common if w not in words and w.lstrip("+~").split("=", 1)[0] in
                   ("max_epochs", "trainer.max_epochs")]
