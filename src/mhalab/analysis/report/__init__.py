@@ -76,7 +76,7 @@ __all__ = ["CONTRADICTED", "DEFAULT_METRIC", "INCONCLUSIVE", "NOT_COVERED", "NOT
            "training_val_rows", "write_report"]
 
 INT_COLUMNS = ("seed", "params", "epochs", "global_step", "best_epoch", "dim", "heads", "layers", "ff_dim",
-               "batch_size", "max_epochs", "max_len")
+               "batch_size", "max_epochs", "max_len", "planned_steps", "steps_per_epoch", "validations")
 
 
 def _for_csv(df: pd.DataFrame) -> pd.DataFrame:
