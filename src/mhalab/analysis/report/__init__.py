@@ -108,7 +108,7 @@ def report_name(given: str | Path, df: pd.DataFrame) -> str:
         return " ".join(preset + [w for w in df.attrs.get("common") or [] if w.startswith("data=")])
     path = Path(given)
     if not path.is_absolute():
-        return str(path)
+        return str(path) if path.parts else Path.cwd().name  # `mhalab-report .`: the folder's own name
     try:
         return str(path.resolve().relative_to(Path.cwd().resolve()))
     except ValueError:
