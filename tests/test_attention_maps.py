@@ -4,6 +4,7 @@ importing the package picks no matplotlib backend and the figures are not pyplot
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -209,6 +210,28 @@ def test_script_command_line(checkpoints, tmp_path, fork_server):
                            f"text={TEXT}", f"out={out}"], env=dict(os.environ, PYTHONHASHSEED="0"), timeout=120)
     assert res.returncode == 0, res.stderr
     assert out.read_bytes()[:8] == PNG_MAGIC
+
+
+def test_the_map_goes_into_the_run_dir_it_reads_and_its_full_path_is_printed(checkpoints, tmp_path, fork_server):
+    """Without out=: <run>/attention_map.png, not the working directory (an untracked file at a checkout's root)."""
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    ckpt = run / "checkpoints" / "epoch00-acc0.5000.ckpt"
+    ckpt.write_bytes(checkpoints["full"].read_bytes())
+    (run / "metrics.json").write_text(json.dumps({"status": "finished", "best": {"checkpoint": str(ckpt)}}))
+    elsewhere = tmp_path / "cwd"
+    elsewhere.mkdir()
+    command = [str(Path(sys.executable).parent / "mhalab-attention-map"), f"ckpt_path={run}", f"text={TEXT}"]
+    res = fork_server.run(command, cwd=elsewhere, env=dict(os.environ, PYTHONHASHSEED="0"), timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert (run / "attention_map.png").read_bytes()[:8] == PNG_MAGIC and not list(elsewhere.iterdir())
+    assert res.stdout.rstrip().endswith(f"; wrote {run / 'attention_map.png'}"), res.stdout
+    # out= a relative name: from the working directory, printed in full
+    res = fork_server.run([*command, "out=maps/a.png"], cwd=elsewhere, env=dict(os.environ, PYTHONHASHSEED="0"),
+                          timeout=120)
+    assert res.returncode == 0 and res.stdout.rstrip().endswith(f"; wrote {elsewhere / 'maps' / 'a.png'}"), res.stdout
+    res = fork_server.run([command[0], "--help"], cwd=elsewhere, env=dict(os.environ, PYTHONHASHSEED="0"), timeout=120)
+    assert res.returncode == 0 and res.stdout.startswith("mhalab-attention-map: ") and "Most useful: " in res.stdout
 
 
 def test_callback_saves_and_logs_maps(tmp_path):

@@ -79,10 +79,12 @@ SCRIPTS = tuple(console_scripts())  # pyproject's [project.scripts]
 
 
 def doc_commands() -> list[tuple[str, list[str]]]:
-    """(document, words) of each command line of the ```bash blocks, each line once (its first place)."""
+    """(document, words) of each command of the ```bash blocks (a line, or lines joined by a trailing backslash),
+    each once (its first place)."""
     cmds, seen = [], set()
     for doc, lines in blocks("bash"):
-        for line in filter(str.strip, lines):
+        # a line ending in a backslash goes on on the next, as in a shell (a long command kept inside the page's width)
+        for line in filter(str.strip, "\n".join(lines).replace("\\\n", " ").splitlines()):
             words = shlex.split(line, comments=True)
             if (words and (words[0] in ("python", "make") or words[0] in SCRIPTS) and tuple(words[:2]) not in NOT_RUN
                     and tuple(words) not in seen):

@@ -4,7 +4,9 @@ opening comment (docs/hooks/). The configuration page is generated from the conf
 
 from __future__ import annotations
 
+import itertools
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -65,3 +67,43 @@ def test_api_reference_shows_the_library_with_its_docstrings(site):
                  "SequenceClassifier", "RotaryEmbedding", "SeqLens"):
         assert f"mhalab.{'model' if name == 'SequenceClassifier' else 'nn'}" in html and name in html, name
     assert "nn.MultiheadAttention.forward's contract" in html  # a docstring rendered, not a bare signature
+
+
+def test_api_docstrings_render_their_sections_as_tables_and_their_lists_as_lists(site):
+    """docstring_style: google (mkdocs.yml): Args / Returns / Raises become tables, a Markdown list stays a list."""
+    html = (site / "api" / "index.html").read_text()
+    model = html.split('id="mhalab.model"')[1].split('id="mhalab.mlm"')[0]
+    assert '<span class="doc-section-title">Parameters:</span>' in model
+    assert "<code>vocab_size</code>" in model.split("Parameters:")[1].split("</table>")[0]
+    assert '<span class="doc-section-title">Raises:</span>' in model
+    assert "<li><code>model.pos</code>: sinusoidal" in model  # the module docstring's list
+
+
+def _run_on_lists(docstring: str) -> list[str]:
+    """List items that follow a paragraph line with no blank line between: Markdown reads them as that paragraph."""
+    lines = docstring.splitlines()
+    item = re.compile(r"\s*([-*+]|\d+\.)\s")
+    return [b for a, b in itertools.pairwise(lines) if item.match(b) and a.strip() and not item.match(a)
+            and not a.startswith((" ", "\t"))]
+
+
+def test_api_docstrings_outside_nn_keep_a_blank_line_before_each_list():
+    """The API page's modules outside mhalab.nn (whose docstrings are rewritten apart): each list renders as one."""
+    import griffe
+
+    modules = [m for m in re.findall(r"^::: (\S+)", (REPO / "docs" / "api.md").read_text(), re.MULTILINE)
+               if not m.startswith("mhalab.nn")]
+    assert modules == ["mhalab.model", "mhalab.mlm"]
+
+    def docstrings(obj):
+        if obj.docstring:
+            yield obj.path, obj.docstring.value
+        for name, member in obj.members.items():
+            if not name.startswith("_") and not member.is_alias:
+                yield from docstrings(member)
+
+    for module in modules:
+        bad = {path: _run_on_lists(text) for path, text in
+               docstrings(griffe.load(module, search_paths=[str(REPO / "src")], resolve_aliases=False))}
+        assert not {k: v for k, v in bad.items() if v}, bad
+    assert _run_on_lists("What differs:\n* masks follow\n* no dropout") == ["* masks follow"]  # what it catches

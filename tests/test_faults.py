@@ -118,6 +118,10 @@ def test_interrupted_run_rerun_with_the_same_command_ends_equal_to_the_uninterru
     if how:
         assert _rec(out)["error"] == (f"interrupted ({how}); to continue it in place, run the same command with "
                                       f"hydra.run.dir={out}")
+    if how == "Ctrl-C":  # told as a Ctrl-C only: Lightning's handler, which we call to stop, said "Received SIGTERM"
+        said = [line for line in (proc.stdout + proc.stderr).splitlines() if "SIGTERM" in line or "Ctrl-C" in line]
+        assert not [line for line in said if "Received SIGTERM" in line], said
+        assert "interrupted (Ctrl-C)" in proc.stdout + proc.stderr, said
     assert torch.load(out / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == saved_step
 
     proc = _run(fork_server, out, toy_data_dir)  # the same command again, as a requeued job or a user does
@@ -145,6 +149,7 @@ def test_ctrl_c_from_outside_at_any_moment_resumes_exactly(straight, tmp_path, t
     assert proc.returncode == 130, err[-3000:]
     step = torch.load(out / "checkpoints" / "last.ckpt", weights_only=True)["global_step"]
     assert 10 <= step < 50 and "Ctrl-C: stopping after this batch" in stdout + err and "Traceback" not in err
+    assert "Received SIGTERM" not in stdout + err
     proc2 = _run(fork_server, out, toy_data_dir)
     assert proc2.returncode == 0, proc2.stderr[-3000:]
     _assert_same_run(straight, out)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -93,7 +94,7 @@ def test_probabilities_are_the_models_own_softmax_in_input_order(trained):
 
 
 def test_txt_csv_tsv_jsonl_and_stdin_give_the_same_lines(trained, tmp_path, capsys, monkeypatch):
-    files = {"in.txt": "\n".join(TEXTS[:4]) + "\n\n",  # a blank line is no text
+    files = {"in.txt": "\n".join(TEXTS[:4]) + "\n",
              "in.csv": "id,review\n" + "".join(f'{i},"{t}"\n' for i, t in enumerate(TEXTS[:4])),
              "in.tsv": "text\tstars\n" + "".join(f"{t}\t{i}\n" for i, t in enumerate(TEXTS[:4])),
              "in.jsonl": "".join(json.dumps({"text": t, "id": i}) + "\n" for i, t in enumerate(TEXTS[:4]))}
@@ -109,6 +110,34 @@ def test_txt_csv_tsv_jsonl_and_stdin_give_the_same_lines(trained, tmp_path, caps
     assert all(o == outputs[0] for o in outputs), outputs
     lines = [json.loads(line) for line in outputs[0].splitlines()]
     assert [x["text"] for x in lines] == TEXTS[:4] and all(x["label"] in NAMES for x in lines)
+
+
+# the issue's case: 4 lines, one blank (and one of spaces); before, 3 rows came out and no message
+BLANKS = ["a good film", "", "bad", "   "]
+
+
+@pytest.mark.parametrize("name, content, column", [
+    ("in.txt", "\n".join(BLANKS) + "\n", None),
+    ("in.csv", "id,review\n" + "".join(f'{i},"{t}"\n' for i, t in enumerate(BLANKS)), "review"),
+    ("one.csv", "text\n" + "\n".join(BLANKS) + "\n", None),  # one column: an empty text is a blank row
+    ("in.tsv", "text\tstars\n" + "".join(f"{t}\t{i}\n" for i, t in enumerate(BLANKS)), None),
+    ("in.jsonl", '{"text": "a good film"}\n{"text": ""}\n{"text": "bad"}\n{"text": null}\n', None),
+])
+def test_predict_writes_a_row_for_every_input_line_and_counts_the_empty_ones(trained, tmp_path, fork_server, name,
+                                                                              content, column):
+    """One output row per input line, in order: an empty text's row says so and has no label; stderr counts them."""
+    (tmp_path / name).write_text(content)
+    res = fork_server.run([str(Path(sys.executable).parent / "mhalab-predict"), f"ckpt_path={trained}",
+                           f"input={tmp_path / name}", *([f"text_column={column}"] if column else [])],
+                          env=dict(os.environ, PYTHONHASHSEED="0"), timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = [json.loads(line) for line in res.stdout.splitlines()]
+    assert len(rows) == 4 and [r["label"] is None for r in rows] == [False, True, False, True]
+    assert [r["text"] for r in rows[::2]] == ["a good film", "bad"] and rows[0]["label"] in NAMES
+    assert rows[1] == {"text": rows[1]["text"], "label": None, "probs": None, "note": "empty text: no prediction"}
+    said = [line for line in res.stderr.splitlines() if "hold no text" in line]
+    assert said == [('2 of 4 input lines hold no text (blank, or an empty field): their rows have label null and the '
+                    'note "empty text: no prediction"')], res.stderr
 
 
 def test_quotes_are_text_in_tsv_and_quoting_in_csv(tmp_path):

@@ -663,3 +663,17 @@ def test_analysis_leaves_matplotlib_global_state_alone(tmp_path: Path) -> None:
     assert p.stdout.split() == ["None", "False"]
     assert (tmp_path / "curves.png").read_bytes()[:8] == PNG_MAGIC
     assert (tmp_path / "lra.png").read_bytes()[:8] == PNG_MAGIC
+
+
+def test_a_report_names_its_sweep_by_its_preset_or_the_dir_given_never_an_absolute_path(tmp_path, monkeypatch):
+    from mhalab.analysis.report import report_name
+
+    monkeypatch.chdir(tmp_path)
+    preset = pd.DataFrame({"overrides": ["seed=0 heads=2 sweep=heads data=trec", "seed=0 heads=8 sweep=heads data=trec"]})
+    preset.attrs["common"] = ["data=trec"]
+    assert report_name("/elsewhere/x/heads", preset) == "sweep=heads data=trec"
+    plain = pd.DataFrame({"overrides": ["heads=2 seed=0", "heads=8 seed=0"]})
+    assert report_name("multirun/x", plain) == "multirun/x"  # as given
+    assert report_name(tmp_path / "multirun" / "x", plain) == "multirun/x"  # inside the working dir: relative
+    assert report_name("/work/main/results/sweeps/trec/heads", plain) == "trec/heads"  # outside: its last two parts
+    assert report_name(".", plain) == tmp_path.name

@@ -1,8 +1,11 @@
 """Masked-LM pretraining of a SequenceClassifier's encoder (BERT's objective, Devlin et al. 2019, §3.1).
 
-    mlm = MaskedLanguageModel(classifier)               # the classifier's embed, positions and encoder
-    loss, correct = mlm(input_ids, seqlens)             # packed (N,) ids: 15% chosen, 80/10/10, predicted
-    classifier.load_state_dict(mlm.backbone_state())    # then fine-tune on the labels
+    # the classifier's embedding, positions and encoder, with a masked-LM head
+    mlm = MaskedLanguageModel(classifier, special_ids, first_normal_id)
+    # packed (N,) ids: 15% chosen, 80/10/10, predicted
+    loss, chosen, correct = mlm(input_ids, seqlens)
+    # then fine-tune on the labels
+    classifier.load_state_dict(mlm.backbone_state())
 
 Of the real tokens (never [CLS] / [SEP] / pads), `mask_prob` are chosen; of those 80% are replaced by a
 learned [MASK] vector, 10% by a random token, 10% kept; the model predicts the original token at every chosen
@@ -30,11 +33,22 @@ SPLIT = (0.8, 0.1, 0.1)  # of the chosen tokens: [MASK], a random token, unchang
 def choose_masked(input_ids: Tensor, special_ids: Tensor, vocab_size: int, first_normal_id: int,
                   mask_prob: float = MASK_PROB, generator: torch.Generator | None = None
                   ) -> tuple[Tensor, Tensor, Tensor]:
-    """BERT's corruption of packed ids (N,): (chosen (N,) bool, to_mask (N,) bool, corrupted ids (N,)).
+    """BERT's corruption of packed ids.
 
-    chosen: the positions to predict, each real token with probability mask_prob (at least one per batch);
-    to_mask: 80% of them, whose embedding becomes the [MASK] vector; corrupted ids: 10% of the chosen carry a
-    random token from [first_normal_id, vocab_size) (never a special), the rest their own id."""
+    Args:
+        input_ids: (N,) packed ids.
+        special_ids: the ids never chosen ([CLS], [SEP], pads).
+        vocab_size: the vocabulary's size.
+        first_normal_id: the first id that is no special token (random replacements come from
+            [first_normal_id, vocab_size)).
+        mask_prob: each real token's probability of being chosen (at least one per batch).
+        generator: the random draws' generator.
+
+    Returns:
+        `(chosen, to_mask, corrupted)`: chosen (N,) bool, the positions to predict; to_mask (N,) bool, 80% of
+        them, whose embedding becomes the [MASK] vector; corrupted (N,) ids, where 10% of the chosen carry a
+        random token (never a special) and the rest their own id.
+    """
     dev = input_ids.device
     candidate = ~torch.isin(input_ids, special_ids)  # (N,) real tokens only
     draw = torch.rand(input_ids.shape, device=dev, generator=generator)
@@ -51,7 +65,17 @@ def choose_masked(input_ids: Tensor, special_ids: Tensor, vocab_size: int, first
 
 
 class MaskedLanguageModel(nn.Module):
-    """A classifier's embedding, positions and encoder with BERT's masked-LM head on top."""
+    """A classifier's embedding, positions and encoder with BERT's masked-LM head on top.
+
+    Args:
+        backbone: the SequenceClassifier whose embedding, positions and encoder are pretrained (its head is not).
+        special_ids: the ids never chosen ([CLS], [SEP], pads).
+        first_normal_id: the first id that is no special token.
+        mask_prob: the share of real tokens chosen (BERT's 15%).
+
+    Raises:
+        ValueError: mask_prob outside (0, 1).
+    """
 
     def __init__(self, backbone: SequenceClassifier, special_ids: tuple[int, ...], first_normal_id: int,
                  mask_prob: float = MASK_PROB):
@@ -71,8 +95,18 @@ class MaskedLanguageModel(nn.Module):
 
     def forward(self, input_ids: Tensor, seqlens: SeqLens, generator: torch.Generator | None = None
                 ) -> tuple[Tensor, Tensor, Tensor]:
-        """Packed ids (N,) -> (mean cross-entropy over the chosen tokens, their number, how many were predicted
-        right). A padded batch's ids go through SeqLens.padded_index first (the collate gives both)."""
+        """The masked-LM loss of a packed batch (a padded batch's ids go through SeqLens.padded_index first: the
+        collate gives both).
+
+        Args:
+            input_ids: (N,) packed ids.
+            seqlens: the lengths of its sequences.
+            generator: the corruption's random draws.
+
+        Returns:
+            `(loss, chosen, correct)`: the mean cross-entropy over the chosen tokens, their number, and how many
+            were predicted right.
+        """
         chosen, to_mask, ids = choose_masked(input_ids, self.special_ids, self.vocab_size, self.first_normal_id,
                                              self.mask_prob, generator)
         emb = self.backbone.embed(ids)  # (N, E)

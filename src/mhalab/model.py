@@ -6,22 +6,28 @@ With the same weights the two give the same logits (see `with_encoder` and tests
 It is also the one place that builds the attention parts, the article's "next steps" as small pieces that
 plug into `MultiHeadAttention`'s hooks:
 
-    parts = attention_parts("window", "rope", embed_dim=256, num_heads=8, max_len=512, dropout=0.1)
-    mha = MultiHeadAttention(256, 8, 0.1, **parts)   # parts = {"attention", "rotary", "position_bias"}
+    # {"attention": WindowAttention, "rotary": RotaryEmbedding,
+    #  "position_bias": None}
+    parts = attention_parts("window", "rope", embed_dim=256, num_heads=8,
+                            max_len=512, dropout=0.1)
+    mha = MultiHeadAttention(256, 8, 0.1, **parts)
 
-model.pos:        sinusoidal | learned (absolute, added to the embeddings by the model: no part here)
-                  rope (rotary hook) | alibi | t5 (position_bias hook)
-model.attention:  full (the default softmax kernel) | window | linformer | performer (attention hook)
-Any position composes with full and window. linformer and performer never form the (L_q, L_k)
-score matrix, so they cannot add the alibi / t5 bias: those pairs raise ValueError (see
-`check_combination`); rope and the absolute positions work with every kernel.
-model.attention_options: the names and defaults in ATTENTION_OPTIONS (conf/model/custom.yaml declares
-the same); `check_attention` refuses unknown keys, bad values, and a window that is full attention.
+The names it builds:
+
+- `model.pos`: sinusoidal | learned (absolute, added to the embeddings by the model: no part here);
+  rope (rotary hook) | alibi | t5 (position_bias hook).
+- `model.attention`: full (the default softmax kernel) | window | linformer | performer (attention hook).
+  Any position composes with full and window. linformer and performer never form the (L_q, L_k) score
+  matrix, so they cannot add the alibi / t5 bias: those pairs raise ValueError (see `check_combination`);
+  rope and the absolute positions work with every kernel.
+- `model.attention_options`: the names and defaults in ATTENTION_OPTIONS (conf/model/custom.yaml declares
+  the same); `check_attention` refuses unknown keys, bad values, and a window that is full attention.
 """
 
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Mapping
 
 import torch
@@ -34,6 +40,8 @@ from mhalab.nn.positions import ALiBi, LearnedPosition, RotaryEmbedding, Sinusoi
 from mhalab.nn.unpad import Unpadding
 from mhalab.nn.varlen import SeqLens
 
+_NESTED_PROTOTYPE = "The PyTorch API of nested tensors is in prototype stage"  # torch's UserWarning (model=official)
+
 ATTENTIONS = ("full", "window", "linformer", "performer")
 POSITIONS = ("sinusoidal", "learned", "rope", "alibi", "t5")
 ABSOLUTE_POSITIONS = ("sinusoidal", "learned")
@@ -44,7 +52,15 @@ ATTENTION_OPTIONS = {"window": 128, "global_tokens": 1, "linformer_k": 64, "perf
 _OPTION_MIN = {"window": 0, "global_tokens": 0, "linformer_k": 1, "performer_features": 1}
 
 def check_combination(attention: str, pos: str) -> None:
-    """Raise ValueError for an unknown name or a pair that cannot work; cheap, builds nothing."""
+    """Check a kernel and a position by name; cheap, builds nothing.
+
+    Args:
+        attention: one of ATTENTIONS.
+        pos: one of POSITIONS.
+
+    Raises:
+        ValueError: an unknown name, or a linear kernel (linformer, performer) with a bias position (alibi, t5).
+    """
     if attention not in ATTENTIONS:
         raise ValueError(f"unknown model.attention '{attention}'; choose one of {', '.join(ATTENTIONS)}.")
     if pos not in POSITIONS:
@@ -58,14 +74,19 @@ def check_combination(attention: str, pos: str) -> None:
 
 
 def check_attention(attention: str, pos: str, options: Mapping | None, max_len: int) -> None:
-    """Raise ValueError, one line naming the value and the fix, for what attention_parts cannot build or
-    would build silently wrong. Cheap, builds nothing; the config validation calls it too.
+    """Refuse what attention_parts cannot build or would build silently wrong, in one line naming the value and
+    the fix. Cheap, builds nothing; the config validation calls it too.
 
-    options: model.attention_options (missing keys take ATTENTION_OPTIONS' defaults).
-    max_len: the number of positions attention sees: the model's max_len, + 1 with pooling=cls
-             (SequenceClassifier's n_pos).
-    Refuses check_combination's pairs, unknown option keys, values that are not integers >= their
-    minimum, and window attention whose band covers every (query, key) pair of max_len positions.
+    Args:
+        attention: the kernel's name (ATTENTIONS).
+        pos: the positions' name (POSITIONS).
+        options: model.attention_options (missing keys take ATTENTION_OPTIONS' defaults).
+        max_len: the number of positions attention sees: the model's max_len, + 1 with pooling=cls
+            (SequenceClassifier's n_pos).
+
+    Raises:
+        ValueError: check_combination's pairs, unknown option keys, values that are not integers >= their
+            minimum, and window attention whose band covers every (query, key) pair of max_len positions.
     """
     check_combination(attention, pos)
     options = dict(options or {})
@@ -109,14 +130,27 @@ def attention_parts(
     head_dim: int | None = None,
     **options: int,
 ) -> dict[str, nn.Module | None]:
-    """Modules for MultiHeadAttention(embed_dim, num_heads, dropout, head_dim=head_dim, **parts).
+    """The modules for MultiHeadAttention(embed_dim, num_heads, dropout, head_dim=head_dim, **parts).
 
-    Returns {"attention": kernel or None (None = the default softmax kernel),
-             "rotary": RotaryEmbedding or None, "position_bias": ALiBi / T5RelativeBias or None}.
-    options (ATTENTION_OPTIONS, checked by check_attention; missing ones take its defaults):
-    window: Longformer window (each query sees window // 2 keys on each side);
-    global_tokens: the first positions (e.g. CLS) that attend to and are attended by all;
-    linformer_k: projected length k; performer_features: number of random features m.
+    Args:
+        attention: full | window | linformer | performer.
+        pos: sinusoidal | learned | rope | alibi | t5 (the absolute ones, sinusoidal and learned, need no part).
+        embed_dim: the model's width.
+        num_heads: the number of heads.
+        max_len: the positions attention sees (RoPE's table, Linformer's projected length).
+        dropout: the attention weights' dropout (window, linformer).
+        head_dim: each head's width; None: embed_dim / num_heads.
+        **options: ATTENTION_OPTIONS, checked by check_attention (missing ones take its defaults): `window`,
+            Longformer's window (each query sees window // 2 keys on each side); `global_tokens`, the first
+            positions (e.g. CLS) that attend to and are attended by all; `linformer_k`, the projected length k;
+            `performer_features`, the number of random features m.
+
+    Returns:
+        `{"attention": kernel or None (None: the default softmax kernel), "rotary": RotaryEmbedding or None,
+        "position_bias": ALiBi / T5RelativeBias or None}`.
+
+    Raises:
+        ValueError: what check_attention refuses.
     """
     check_attention(attention, pos, options, max_len)
     o = {**ATTENTION_OPTIONS, **options}
@@ -144,9 +178,12 @@ ENCODERS = ("custom", "official")
 
 
 def check_model(encoder: str, pooling: str, attention: str, pos: str, head_dim: int | None = None) -> None:
-    """The classifier's own rules (the config validation runs them too): known encoder and pooling, and
-    PyTorch's encoder only with full attention, absolute positions and head_dim = dim / heads. ValueError
-    naming the fix."""
+    """The classifier's own rules (the config validation runs them too).
+
+    Raises:
+        ValueError: naming the fix, for an unknown encoder or pooling, or PyTorch's encoder with anything but
+            full attention, absolute positions and head_dim = dim / heads.
+    """
     if encoder not in ENCODERS:
         raise ValueError(f"unknown model.encoder '{encoder}'; choose one of {', '.join(ENCODERS)}.")
     if pooling not in POOLINGS:
@@ -166,11 +203,36 @@ def check_model(encoder: str, pooling: str, attention: str, pos: str, head_dim: 
 class SequenceClassifier(nn.Module):
     """Token embedding + positions -> encoder stack -> pooling -> dropout -> linear head: logits (B, C).
 
-    encoder="custom" stacks our TransformerEncoderLayer (attention built by name: `attention` full / window /
-    linformer / performer, `pos` sinusoidal / learned / rope / alibi / t5, options in attention_options);
-    encoder="official" is PyTorch's nn.TransformerEncoder with the same shape. pooling: mean over the real
-    tokens, max, or a learned [CLS] vector. head_dim=None gives dim / heads (the article's rule); any other
-    width decouples the heads' width from dim (custom only). The model=custom config holds these arguments.
+    The model=custom config holds these arguments.
+
+    Args:
+        vocab_size: the embedding's rows (the tokenizer's vocabulary).
+        num_classes: the head's outputs.
+        encoder: "custom" stacks our TransformerEncoderLayer (attention built by name); "official" is PyTorch's
+            nn.TransformerEncoder with the same shape.
+        dim: the embedding width E.
+        heads: attention heads per layer.
+        layers: encoder layers.
+        ff_dim: the feed-forward block's inner width.
+        dropout: everywhere (attention weights, residuals, the head's input).
+        activation: the feed-forward block's, gelu or relu.
+        norm_first: pre-norm layers (and a final LayerNorm) instead of post-norm.
+        pos: sinusoidal | learned (added to the embeddings) | rope | alibi | t5 (inside each attention layer).
+        attention: full | window | linformer | performer (custom only).
+        pooling: mean over the real tokens, max, or cls (a learned [CLS] vector at position 0).
+        max_len: the longest input; positions are built for it (+ 1 with pooling=cls).
+        pad_id: the padding token's id (its embedding row stays zero; the default padding mask).
+        attention_options: ATTENTION_OPTIONS of the kernel (window, global_tokens, linformer_k,
+            performer_features).
+        embed_dropout: the dropout on embedding + position; None: `dropout`, as in Vaswani et al.
+        block_min_scores: on CPU in training, a (batch, head) with at least this many scores attends in query
+            blocks (ScaledDotProductAttention); None turns it off. Not a weight: checkpoints load either way.
+        query_block: the queries of one such block.
+        head_dim: each head's width; None: dim / heads (the article's rule); any other width decouples the
+            heads' width from dim (custom only).
+
+    Raises:
+        ValueError: what check_model and check_attention refuse.
     """
 
     def __init__(
@@ -225,6 +287,11 @@ class SequenceClassifier(nn.Module):
             self.encoder = TransformerEncoder(**stack, layer=layer)
         else:
             self.encoder = OfficialEncoder(**stack)
+            # its eval forward packs a padded batch into a nested tensor, and torch says once per process that the
+            # nested-tensor API "is in prototype stage": a cause we know and a user cannot act on; that message, from
+            # that module, only
+            warnings.filterwarnings("ignore", message=_NESTED_PROTOTYPE, category=UserWarning,
+                                    module=r"torch\.nn\.modules\.transformer")
         # dropout on embedding + position, as in Vaswani et al. (None: the same p as everywhere else)
         self.embed_drop = nn.Dropout(dropout if embed_dropout is None else embed_dropout)
         self.drop = nn.Dropout(dropout)
@@ -240,12 +307,21 @@ class SequenceClassifier(nn.Module):
         return len(layers)
 
     def forward(self, input_ids: Tensor, padding_mask: Tensor | None = None, seqlens: SeqLens | None = None) -> Tensor:
-        """Logits (B, C) of a padded batch, input_ids (B, L) with padding_mask (B, L) True at pads (default:
-        the pad id's positions); or of a packed one: input_ids (N,), the B sequences back to back, with their
-        lengths `seqlens` (nn.varlen.SeqLens, as data.collate.PackedCollate gives them).
+        """The logits of a padded or a packed batch.
+
         A right-padded batch may come with its seqlens too (data.collate.Collate adds them): then its real
-        tokens are packed at once and take the packed path, where every shape is known on the host (no
-        device sync on CUDA) and nothing is computed for the pads. Same logits either way."""
+        tokens are packed at once and take the packed path, where every shape is known on the host (no device
+        sync on CUDA) and nothing is computed for the pads. Same logits either way.
+
+        Args:
+            input_ids: (B, L) padded, or (N,) packed: the B sequences back to back.
+            padding_mask: (B, L), True at pads; None: the pad id's positions.
+            seqlens: the lengths of the sequences (nn.varlen.SeqLens, as data.collate.PackedCollate gives
+                them); required for a packed batch.
+
+        Returns:
+            Logits (B, C).
+        """
         if seqlens is not None:
             if input_ids.dim() == 2:  # (B, L) right-padded -> (N,) real tokens
                 input_ids = input_ids.flatten().index_select(0, seqlens.padded_index(input_ids.size(1), input_ids.device))
@@ -280,9 +356,21 @@ class SequenceClassifier(nn.Module):
         return self.head(self.drop(pooled))  # (B, C)
 
     def encode(self, input_ids: Tensor, seqlens: SeqLens, embeddings: Tensor | None = None) -> tuple[Tensor, SeqLens]:
-        """The encoder's output for every token of a packed batch: input_ids (N,) -> (N', E) and the lengths of
-        its sequences (N' = N + B with pooling=cls, whose CLS vector is each sequence's first row).
-        embeddings: (N, E) to use instead of embed(input_ids) (masked-LM pretraining puts its [MASK] vector there)."""
+        """The encoder's output for every token of a packed batch.
+
+        Args:
+            input_ids: (N,), the sequences back to back.
+            seqlens: their lengths.
+            embeddings: (N, E) to use instead of embed(input_ids) (masked-LM pretraining puts its [MASK] vector
+                there).
+
+        Returns:
+            (N', E) and the lengths of its sequences: N' = N + B with pooling=cls, whose CLS vector is each
+            sequence's first row.
+
+        Raises:
+            ValueError: input_ids not (N,) for these seqlens.
+        """
         if input_ids.dim() != 1 or input_ids.size(0) != seqlens.num_tokens:
             raise ValueError(f"packed input_ids must be (N,) = ({seqlens.num_tokens},), the sequences back to back; "
                              f"got {tuple(input_ids.shape)}.")

@@ -27,6 +27,7 @@ from mhalab.analysis.report.stats import (
     top_settings,
     valid_mask,
 )
+from mhalab.analysis.report.trained import best_withheld
 from mhalab.analysis.report.values import finite, fmt_num
 from mhalab.analysis.report.verdicts import Verdict, compute_verdicts
 from mhalab.errors import ConfigError, one_line_errors
@@ -80,7 +81,9 @@ def sweep_rows(data: str, preset: str, csv: Path, margin: float | None) -> tuple
     ok = valid_mask(df)
     summary = summarize_settings(df, METRIC)
     top = top_settings(summary)
-    best = top.iloc[0] if len(top) == 1 else None  # none when nothing finished or the top cells tie
+    # none when nothing finished, the top cells tie, or a member was not trained to the end (report.trained)
+    withheld = best_withheld(df, METRIC, margin_units(METRIC, margin))
+    best = top.iloc[0] if len(top) == 1 and not withheld else None
     wall = pd.to_numeric(df["wall_time_s"], errors="coerce").fillna(0).sum()
     names = df["dataset"].dropna() if "dataset" in df else pd.Series(dtype=object)
     info = {"data": data, "preset": preset, "runs": len(df), "finished": int(ok.sum()),

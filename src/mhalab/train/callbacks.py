@@ -25,6 +25,17 @@ from mhalab.train.memory import current_rss_mb, peak_memory_mb, reset_peak_memor
 log = logging.getLogger("mhalab")
 
 
+# where Lightning's SIGTERM handler logs "Received SIGTERM: 15" (lightning.pytorch.trainer.connectors.signal_connector)
+SIGNAL_LOG = "lightning.pytorch.trainer.connectors.signal_connector"
+
+
+class _NoSigtermNote(logging.Filter):
+    """Drops Lightning's "Received SIGTERM" line: on for the one call that hands it a Ctrl-C, which is no SIGTERM."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Received SIGTERM" not in record.getMessage()
+
+
 class GracefulStop(L.Callback):
     """Ctrl-C and SIGTERM stop training between batches and save `last.ckpt` there: a resume is exact.
 
@@ -75,7 +86,14 @@ class GracefulStop(L.Callback):
         lightning_handler = self._previous.get(signal.SIGTERM)
         if not callable(lightning_handler):  # Lightning installed none (not the main thread): stop here
             raise SIGTERMException
-        lightning_handler(signal.SIGTERM, None)  # sets trainer.received_sigterm; Lightning raises when it may
+        note = _NoSigtermNote() if self.ctrl_c and not self.sigterm else None  # a Ctrl-C is told as one (above)
+        if note:
+            logging.getLogger(SIGNAL_LOG).addFilter(note)
+        try:
+            lightning_handler(signal.SIGTERM, None)  # sets trainer.received_sigterm; Lightning raises when it may
+        finally:
+            if note:
+                logging.getLogger(SIGNAL_LOG).removeFilter(note)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self._stop_if_asked(trainer, self.sigterm or self.ctrl_c and not _validation_follows(trainer, batch_idx))

@@ -43,6 +43,12 @@ def last_checkpoint(run_dir: str | Path) -> Path:
     return Path(run_dir) / CHECKPOINT_DIR / LAST
 
 
+def run_dir_of(ckpt: str | Path) -> Path:
+    """The run dir a checkpoint file belongs to: <run>/checkpoints/x.ckpt -> <run>; a .ckpt elsewhere -> its folder."""
+    ckpt = Path(ckpt)
+    return ckpt.parent.parent if ckpt.parent.name == CHECKPOINT_DIR else ckpt.parent
+
+
 WHICH = ("best", "last")  # of a run dir: its best checkpoint (the one it tested), or where it stopped
 
 

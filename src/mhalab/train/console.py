@@ -2,12 +2,16 @@
 reached, with which checkpoint, and where its files are (`summary`):
 
     finished in 39 s (fit 35 s, 40 steps): outputs/2026-12-04/23-10-00_123ab
+      trained 40 of 40 planned steps (2 of 2 epochs)
       best   epoch01-acc0.5781.ckpt, after epoch 2 of 2 (step 40): what mhalab-eval and mhalab-predict load
       val    acc 57.81%  macro-F1 57.36%  loss 0.6835
       test   acc 57.50%  macro-F1 56.60%  loss 0.6853
       files  metrics.json, loss_curves.png, confusion_test.png, logs/metrics.csv
 
-Every figure is read from the run's record (mhalab.train.record), so the console and metrics.json agree.
+Every figure is read from the run's record (mhalab.train.record), so the console and metrics.json agree. A run cut
+short (limit_train_batches, max_steps, max_time) says so on its `trained` line, and a split evaluated in part
+(limit_val_batches, limit_test_batches) on its line: `test   acc 48.75% (on 320 of 500 examples, 64%:
+limit_test_batches=5)` (mhalab.train.extent).
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
-from mhalab.train import record
+from mhalab.train import extent, record
 
 # Lightning's rank-zero notes that advertise its platform or describe its own defaults
 LIGHTNING_NOISE = ("💡 Tip:", "Trainer already configured with model summary callbacks",
@@ -79,10 +83,10 @@ def duration(seconds: float) -> str:
     return f"{s // 3600} h {s % 3600 // 60:02d} min"
 
 
-def _split(best: dict, split: str) -> str | None:
+def _split(best: dict, split: str, trained: dict) -> str | None:
     if f"{split}/acc" not in best:
         return None
-    parts = [f"acc {best[f'{split}/acc']:.2%}"]
+    parts = [f"acc {best[f'{split}/acc']:.2%}{extent.evaluated_note(trained, {'val': 'validation'}.get(split, split))}"]
     if f"{split}/f1" in best:
         parts.append(f"macro-F1 {best[f'{split}/f1']:.2%}")
     if f"{split}/loss" in best:
@@ -97,13 +101,16 @@ def summary(rec: dict, out: Path) -> str:
     took = f"{duration(rec.get('wall_time_s', 0.0))} (fit {duration(rec.get('fit_time_s', 0.0))}"
     took += f", {steps:,} steps)" if steps is not None else ")"
     lines = [f"{rec['status']} in {took}: {out}"]
+    trained = rec.get("trained") or {}
+    if trained:
+        lines.append(f"  trained {extent.training_line(trained)}")
     if best.get("checkpoint"):
         when = ""
         if "epoch" in best:
             when = f", after epoch {best['epoch'] + 1} of {rec.get('epochs')} (step {best['step']:,})"
         lines.append(f"  best   {Path(best['checkpoint']).name}{when}: what mhalab-eval and mhalab-predict load")
     for split in ("val", "test"):
-        if (text := _split(best, split)) is not None:
+        if (text := _split(best, split, trained)) is not None:
             lines.append(f"  {split:<6} {text}")
     if "test/acc" not in best:
         lines.append("  test   not run (test_after_fit=false, or the data have no test split)")

@@ -31,42 +31,70 @@ def masked_lm_finals(log_csv: str | Path) -> dict[str, float | None]:
     return {"final_loss": m["pretrain/loss"], "final_acc": m["pretrain/acc"]}
 
 
+SMOOTH_FRACTION = 0.1   # the EMA's span: this share of the logged points (at least MIN_SPAN): it follows a trend
+MIN_SPAN = 8           # that lasts longer than that, and averages the batch-to-batch noise out
+
+
+def ema_span(n_points: int) -> int:
+    """The EMA's span (in logged points) for a curve of n_points: SMOOTH_FRACTION of them, at least MIN_SPAN."""
+    return max(MIN_SPAN, round(SMOOTH_FRACTION * n_points))
+
+
+def ema(values: pd.Series, span: int) -> pd.Series:
+    """The exponential moving average with this span (alpha = 2 / (span + 1)), bias-corrected at the start (pandas'
+    adjust=True: the first points are averages of what came before, not pulled toward 0)."""
+    return values.ewm(span=span, adjust=True).mean()
+
+
+def _draw_train(ax, df: pd.DataFrame, key: str, color: str) -> None:
+    """A train curve: every logged step, visible, and its EMA over a window the legend states."""
+    tr = df.dropna(subset=[key])
+    if len(tr) < 2 * MIN_SPAN:  # a short run: each point marked, nothing to smooth
+        ax.plot(tr["step"], tr[key], "o-", color=color, lw=1.2, ms=3, label=f"{key} (each logged step)")
+        return
+    span = ema_span(len(tr))
+    every = tr["step"].diff().median()
+    steps = f" ≈ {span * every:,.0f} steps" if every and every > 1 else ""
+    ax.plot(tr["step"], tr[key], color=color, alpha=0.45, lw=0.9, label=f"{key} (each logged step)")
+    ax.plot(tr["step"], ema(tr[key], span), color=color, lw=2.2, label=f"{key}, EMA over {span} logged points{steps}")
+
+
 def loss_curves(metrics_csv: str | Path, out_png: str | Path) -> Path:
-    """Training loss per step (smoothed too) and validation loss and accuracy per epoch (the validations of fit:
-    run.py keeps the best checkpoint's re-validation out of the log); for a pretraining log (mhalab.train.pretrain),
-    its masked-LM loss and masked-token accuracy per step."""
+    """The run's loss_curves.png from its Lightning CSV log (loss_figure)."""
+    loss_figure(read_log(metrics_csv)).savefig(out_png, dpi=110)
+    return Path(out_png)
+
+
+def loss_figure(df: pd.DataFrame):
+    """Training loss per logged step and its EMA (the window in the legend), validation loss and accuracy at each
+    validation of fit, marked (run.py keeps the best checkpoint's re-validation out of the log); for a pretraining
+    log (mhalab.train.pretrain), its masked-LM loss and masked-token accuracy per step. A matplotlib Figure."""
     from matplotlib.figure import Figure  # here: reading a log (last_epoch_means) needs no matplotlib
 
-    df = read_log(metrics_csv)
-    fig = Figure(figsize=(11, 4))
+    fig = Figure(figsize=(11, 4.2))
     ax_loss, ax_acc = fig.subplots(1, 2)
     for key in ("train/loss", "pretrain/loss"):
         if key in df:
-            tr = df.dropna(subset=[key])
-            if len(tr) < 10:  # a short run (or few logged steps): each point marked, nothing to smooth
-                ax_loss.plot(tr["step"], tr[key], "o-", lw=1.2, label=f"{key} (logged steps)")
-                continue
-            ax_loss.plot(tr["step"], tr[key], alpha=0.35, lw=0.8, label=f"{key} (per step)")
-            smooth = tr[key].rolling(max(1, len(tr) // 30), min_periods=1).mean()
-            ax_loss.plot(tr["step"], smooth, lw=1.8, label=f"{key} (smoothed)")
+            _draw_train(ax_loss, df, key, "tab:blue")
     if "val/loss" in df:
         va = df.dropna(subset=["val/loss"])
-        ax_loss.plot(va["step"], va["val/loss"], "o-", lw=2, label="val/loss")
-    ax_loss.set(xlabel="step", ylabel="cross-entropy", title="loss")
+        ax_loss.plot(va["step"], va["val/loss"], "o--", color="tab:red", lw=1.2, ms=6, mec="white", zorder=3,
+                     label="val/loss (each validation)")
+    ax_loss.set(xlabel="optimizer step", ylabel="cross-entropy", title="loss")
+    ax_loss.grid(alpha=0.3)
     if ax_loss.get_legend_handles_labels()[0]:  # (a log with no loss rows: no legend to draw)
-        ax_loss.legend()
+        ax_loss.legend(fontsize=8)
     title = "validation accuracy"
     if "val/acc" in df:
         va = df.dropna(subset=["val/acc"])
-        ax_acc.plot(va["step"], va["val/acc"], "o-", color="tab:green", label="val/acc")
-        ax_acc.legend()
+        ax_acc.plot(va["step"], va["val/acc"], "o-", color="tab:green", ms=6, mec="white",
+                    label="val/acc (each validation)")
+        ax_acc.legend(fontsize=8)
     elif "pretrain/acc" in df:
-        pa = df.dropna(subset=["pretrain/acc"])
-        ax_acc.plot(pa["step"], pa["pretrain/acc"].rolling(max(1, len(pa) // 30), min_periods=1).mean(),
-                    color="tab:green", label="pretrain/acc (smoothed)")
-        ax_acc.legend()
+        _draw_train(ax_acc, df, "pretrain/acc", "tab:green")
+        ax_acc.legend(fontsize=8)
         title = "masked-token accuracy"
-    ax_acc.set(xlabel="step", ylabel="accuracy", title=title)
+    ax_acc.set(xlabel="optimizer step", ylabel="accuracy", title=title)
+    ax_acc.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(out_png, dpi=110)
-    return Path(out_png)
+    return fig

@@ -2,10 +2,12 @@
 
     mhalab-predict ckpt_path=outputs/<run> input=texts.txt [output=preds.jsonl] [batch_size=64] [device=cpu]
 
-input: a .txt file (one text per line; blank lines are skipped), a .csv / .tsv / .jsonl file (one text per
-row or record, in a `text` column or field, or the one `text_column=` names), or `-` (stdin, one text per
-line). Writes one JSON line per text, in input order: {"text": ..., "label": <class name>, "probs":
-{name: p, ...}}. The texts are encoded with the checkpoint's own tokenizer and truncated to its max_len,
+input: a .txt file (one text per line), a .csv / .tsv / .jsonl file (one text per row or record, in a `text`
+column or field, or the one `text_column=` names), or `-` (stdin, one text per line). Writes one JSON line per
+input line (row, record), in input order, so the output lines up with the input and with any file parallel to it:
+{"text": ..., "label": <class name>, "probs": {name: p, ...}}; an empty text (a blank or whitespace-only line, an
+empty field) gets {"text": ..., "label": null, "probs": null, "note": "empty text: no prediction"}, and one line on
+stderr counts them. The texts are encoded with the checkpoint's own tokenizer and truncated to its max_len,
 as in training; batches are formed from length-sorted texts (little padding, so little wasted compute)
 and the predictions put back in input order.
 """
@@ -31,11 +33,15 @@ FORMATS = (".txt", ".csv", ".tsv", ".jsonl")
 WHAT = "a .txt file (one text per line), a .csv / .tsv / .jsonl file (a 'text' column), or input=- (stdin)"
 
 
+EMPTY = "empty text: no prediction"  # the note on the row of an empty text
+
+
 def read_texts(source: str, text_column: str | None = None) -> list[str]:
-    """The texts of `source` (a path, or - for stdin), in order. Raises DataError naming the fix."""
+    """The texts of `source` (a path, or - for stdin), one per line (row, record), in order: an empty one too, as
+    ''. Raises DataError naming the fix (and when no text is there at all)."""
     column = text_column or "text"
     if source == "-":
-        texts = [line for line in sys.stdin.read().splitlines() if line.strip()]
+        texts = sys.stdin.read().splitlines()
     else:
         path = Path(source)
         if not path.is_file():
@@ -46,7 +52,7 @@ def read_texts(source: str, text_column: str | None = None) -> list[str]:
         try:
             with path.open(encoding="utf-8", newline="") as f:
                 if suffix == ".txt":
-                    texts = [line for line in f.read().splitlines() if line.strip()]
+                    texts = f.read().splitlines()
                 elif suffix == ".jsonl":
                     texts = _jsonl_texts(f, source, column)
                 else:
@@ -54,23 +60,26 @@ def read_texts(source: str, text_column: str | None = None) -> list[str]:
         except UnicodeDecodeError as e:
             raise DataError(f"input={source} is not valid UTF-8 (byte {e.object[e.start]:#04x} at offset "
                             f"{e.start}); re-save it as UTF-8.") from None
-    if not texts:
+    if not any(t.strip() for t in texts):
         raise DataError(f"input={source} holds no texts; pass {WHAT}.")
     return texts
 
 
 def _table_texts(f, source: str, column: str, delimiter: str, quoting: int) -> list[str]:
-    reader = csv.DictReader(f, delimiter=delimiter, quoting=quoting)
-    if reader.fieldnames and column not in reader.fieldnames:
-        raise DataError(f"input={source} has no column '{column}' (its columns: {', '.join(reader.fieldnames)}); "
+    reader = csv.reader(f, delimiter=delimiter, quoting=quoting)  # not DictReader: it drops blank rows
+    header = next(reader, [])
+    if header and column not in header:
+        raise DataError(f"input={source} has no column '{column}' (its columns: {', '.join(header)}); "
                         f"pass text_column=<the column with the texts>.")
-    return [row[column] or "" for row in reader]
+    at = header.index(column) if header else 0
+    return [row[at] if at < len(row) else "" for row in reader]
 
 
 def _jsonl_texts(f, source: str, field: str) -> list[str]:
     texts = []
     for n, line in enumerate(f, 1):
         if not line.strip():
+            texts.append("")  # a blank line: its row says so
             continue
         try:
             record = json.loads(line)
@@ -80,7 +89,7 @@ def _jsonl_texts(f, source: str, field: str) -> list[str]:
             keys = ", ".join(record) if isinstance(record, dict) else type(record).__name__
             raise DataError(f"input={source}: line {n} has no field '{field}' (it has: {keys}); "
                             f"pass text_column=<the field with the texts>.")
-        texts.append(str(record[field]))
+        texts.append("" if record[field] is None else str(record[field]))
     return texts
 
 
@@ -110,11 +119,16 @@ def probabilities(loaded: checkpoint.Loaded, texts: Sequence[str], batch_size: i
 
 def predict(loaded: checkpoint.Loaded, texts: Sequence[str], batch_size: int = 64,
             advance: Callable[[int], None] | None = None) -> list[dict]:
-    """{"text", "label", "probs"} per text, in the order of `texts`. `advance(n)` is called per batch."""
-    probs = probabilities(loaded, texts, batch_size, advance).tolist()
-    names = [loaded.label(c) for c in range(len(probs[0]))]
-    return [{"text": t, "label": names[max(range(len(p)), key=p.__getitem__)], "probs": dict(zip(names, p))}
-            for t, p in zip(texts, probs)]
+    """{"text", "label", "probs"} per text, in the order of `texts`; an empty (or whitespace-only) text gets no
+    label and no probabilities, and a note saying why. `advance(n)` is called per batch."""
+    kept = [i for i, t in enumerate(texts) if t.strip()]
+    probs = probabilities(loaded, [texts[i] for i in kept], batch_size, advance).tolist() if kept else []
+    names = [loaded.label(c) for c in range(len(probs[0]))] if probs else []
+    rows = [{"text": t, "label": None, "probs": None, "note": EMPTY} for t in texts]
+    for i, p in zip(kept, probs):
+        rows[i] = {"text": texts[i], "label": names[max(range(len(p)), key=p.__getitem__)],
+                   "probs": dict(zip(names, p))}
+    return rows
 
 
 def command(cfg: DictConfig) -> None:
@@ -135,10 +149,13 @@ def command(cfg: DictConfig) -> None:
         from rich.progress import Progress
 
         with Progress(console=Console(stderr=True)) as bar:
-            task = bar.add_task("predicting", total=len(texts))
+            task = bar.add_task("predicting", total=sum(1 for t in texts if t.strip()))
             results = predict(loaded, texts, int(batch_size), lambda n: bar.advance(task, n))
     else:
         results = predict(loaded, texts, int(batch_size))
+    if empty := sum(r["label"] is None for r in results):
+        print(f"{empty} of {len(results)} input lines hold no text (blank, or an empty field): their rows have "
+              f"label null and the note \"{EMPTY}\"", file=sys.stderr)
     lines = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in results)
     if cfg.output is None:
         sys.stdout.write(lines)

@@ -8,7 +8,7 @@ Every run writes into its own Hydra output dir, which one live process holds (mh
   logs/metrics.csv  Lightning's CSV log (train/loss, train/acc, train/device/* throughput per logging step;
                     val/* per epoch; lr), continued across attempts; logs/hparams.yaml: the config and provenance
   config_tree.log   the resolved config as printed at start (extras.print_config)
-  loss_curves.png   train and val loss and val acc, drawn from metrics.csv
+  loss_curves.png   train loss at each logged step and its EMA, val loss and acc at each validation (metrics.csv)
   confusion_{validation,test}.png  the best checkpoint's confusion matrices, by class name
   checkpoints/      best (by val/acc), and last.ckpt (every epoch, every N steps, and on Ctrl-C / SIGTERM)
 Re-running a command into the dir of a run that was interrupted or killed resumes it from last.ckpt.
@@ -32,7 +32,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from mhalab.errors import RunDirError, UserError
-from mhalab.train import checkpoint, experiment, pretrain, record, rundir
+from mhalab.train import checkpoint, experiment, extent, pretrain, record, rundir
 from mhalab.train.callbacks import GracefulStop, LogEveryEpoch, ResumeState
 from mhalab.train.config import instantiate, validate
 from mhalab.train.console import quiet, summary
@@ -299,6 +299,7 @@ def _fit_and_test_best(cfg: DictConfig, trainer: L.Trainer, dm, module: Classifi
             rec["attempts"][-1]["fit_time_s"] = time.time() - t_fit
             rec["attempts"][-1]["global_step"] = trainer.global_step
     fit_s = time.time() - t_fit
+    batches = extent.train_batches(trainer)
     peak_mb, peak_kind = peak_memory_mb(trainer.strategy.root_device)
     # counted on the host over every attempt (the counters travel in the checkpoint); read before the best
     # checkpoint is loaded for validate/test below, which would put its own counts back
@@ -334,6 +335,8 @@ def _fit_and_test_best(cfg: DictConfig, trainer: L.Trainer, dm, module: Classifi
         rec["early_stopping"] = {"stopped": stopper.stopped_epoch > 0, "stopped_epoch": stopper.stopped_epoch,
                                  "patience": stopper.patience, "monitor": stopper.monitor,
                                  "best_score": float(stopper.best_score)}
+    rec["trained"] = extent.measure(trainer, batches, {split: len(data) for split, data in dm.splits.items()},
+                                    module.class_reports)
     rec.update(
         params=params, epochs=trainer.current_epoch, global_step=trainer.global_step, best=best,
         last_epoch=last_epoch,

@@ -1,7 +1,9 @@
 """Attention maps of one text from a training checkpoint: the library call and its command line.
 
-    python scripts/attention_map.py ckpt_path=outputs/<run> text="a fine film" [out=attention_map.png] \
-        [max_len=N] [device=cpu] [dpi=110]
+    mhalab-attention-map ckpt_path=outputs/<run> text="a fine film" [out=<file.png>] [max_len=N] [device=cpu] [dpi=110]
+
+The PNG goes into the run dir it reads (<run>/attention_map.png; a .ckpt outside a run dir: beside it) unless
+out= names another file; the command prints its full path.
 
 key=value like every command; parsed here rather than by Hydra because `text` is free text (commas,
 brackets and quotes would need Hydra's quoting). Exit 2 for a user error, 3 for a model that has no
@@ -19,9 +21,15 @@ from mhalab.analysis.attention_maps.tokens import encode_text
 from mhalab.analysis.attention_maps.weights import NoAttentionWeights, attention_weights, check_has_weights
 from mhalab.errors import ConfigError, UserError
 
-USAGE = ('usage: mhalab-attention-map ckpt_path=PATH text="..." [out=attention_map.png] [max_len=N] '
+USAGE = ('usage: mhalab-attention-map ckpt_path=PATH text="..." [out=<run dir>/attention_map.png] [max_len=N] '
          '[device=cpu] [dpi=110] [checkpoint=best|last]')
-DEFAULTS = {"out": "attention_map.png", "max_len": None, "device": "cpu", "dpi": "110", "checkpoint": "best"}
+HELP = ("mhalab-attention-map: every layer's and head's attention weights over one text, drawn from a trained run's "
+        "checkpoint as one PNG (a grid of layers x heads, tokens on both axes), with the model's prediction in its "
+        "title. Most useful: ckpt_path=<run dir or .ckpt> and text=\"...\" (required), out=<file.png> (default: "
+        "attention_map.png in the run dir it reads), checkpoint=best|last (of a run dir), max_len=N (truncate as in "
+        "training otherwise). Linformer and Performer attention have no weights to draw (exit 3).")
+FILE = "attention_map.png"  # its name in the run dir, when out= names no other file
+DEFAULTS = {"out": None, "max_len": None, "device": "cpu", "dpi": "110", "checkpoint": "best"}
 KEYS = ("ckpt_path", "text", *DEFAULTS)
 
 
@@ -58,12 +66,17 @@ def parse(argv: Sequence[str]) -> dict:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from mhalab.train.checkpoint import describe, load_model
+    from mhalab.train.checkpoint import describe, load_model, run_dir_of
 
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if any(a in ("-h", "--help") for a in argv):
+        print(f"{HELP}\n\n{USAGE}")
+        return 0
     try:
-        args = parse(list(sys.argv[1:] if argv is None else argv))
+        args = parse(argv)
         loaded = load_model(args["ckpt_path"], args["device"], args["checkpoint"])
-        res = draw_text(loaded, args["text"], args["out"], int(args["max_len"]) if args["max_len"] else None,
+        out = Path(args["out"]) if args["out"] else run_dir_of(loaded.path) / FILE  # beside the run it reads
+        res = draw_text(loaded, args["text"], out.resolve(), int(args["max_len"]) if args["max_len"] else None,
                         int(args["dpi"]))
     except NoAttentionWeights as e:
         print(f"attention_map: {e}", file=sys.stderr)

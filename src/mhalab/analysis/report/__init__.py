@@ -37,6 +37,7 @@ from mhalab.analysis.report.collect import (
     collect_results,
     results_from_csv,
     setting_of,
+    training_val_rows,
 )
 from mhalab.analysis.report.plots import (
     PLOT_ACC_VS_SWEPT,
@@ -45,7 +46,6 @@ from mhalab.analysis.report.plots import (
     plot_acc_vs_swept,
     plot_acc_vs_wall_time,
     plot_val_loss_curves,
-    training_val_rows,
 )
 from mhalab.analysis.report.render import REPORT_MD, RESULTS_CSV, render_markdown
 from mhalab.analysis.report.stats import (
@@ -62,6 +62,7 @@ from mhalab.analysis.report.stats import (
     top_settings,
     valid_mask,
 )
+from mhalab.analysis.report.trained import best_withheld, presets
 from mhalab.analysis.report.verdicts import compute_verdicts
 from mhalab.errors import ConfigError, one_line_errors
 
@@ -75,7 +76,7 @@ __all__ = ["CONTRADICTED", "DEFAULT_METRIC", "INCONCLUSIVE", "NOT_COVERED", "NOT
            "training_val_rows", "write_report"]
 
 INT_COLUMNS = ("seed", "params", "epochs", "global_step", "best_epoch", "dim", "heads", "layers", "ff_dim",
-               "batch_size", "max_epochs", "max_len")
+               "batch_size", "max_epochs", "max_len", "planned_steps", "steps_per_epoch", "validations")
 
 
 def _for_csv(df: pd.DataFrame) -> pd.DataFrame:
@@ -99,10 +100,26 @@ def _json_safe(o):
     return None if isinstance(o, float) and not math.isfinite(o) else o
 
 
+def report_name(given: str | Path, df: pd.DataFrame) -> str:
+    """How a report names its sweep: by its preset and what every member shared (`sweep=heads data=trec`), else by
+    the dir it was given, relative to the working directory (never an absolute path of the machine that ran it:
+    outside the working directory, its last two parts)."""
+    if preset := presets(df):
+        return " ".join(preset + [w for w in df.attrs.get("common") or [] if w.startswith("data=")])
+    path = Path(given)
+    if not path.is_absolute():
+        return str(path) if path.parts else Path.cwd().name  # `mhalab-report .`: the folder's own name
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(Path(*path.parts[-2:]))
+
+
 def write_report(multirun_dir: str | Path, metric: str = DEFAULT_METRIC, margin: float | None = None) -> dict:
     """Write results.csv, report.md, verdicts.json and the plots into multirun_dir; return paths and verdicts.
     margin: the smallest difference that matters, in points for an accuracy-like metric (else metric units;
-    None: 1 point, or 0.01 of another metric).
+    None: 1 point, or 0.01 of another metric). A best setting resting on members that were not trained to the end
+    is withheld (report.trained: `withheld` says why).
 
     Raises NoMembersError when no metrics.json is found, ConfigError (a ValueError) for a test metric.
     """
@@ -142,14 +159,16 @@ def write_report(multirun_dir: str | Path, metric: str = DEFAULT_METRIC, margin:
             log.exception("plot %s failed", fname)
 
     report_md = root / REPORT_MD
-    report_md.write_text(render_markdown(df, summary, verdicts, metric, root, plots, margin_units(metric, margin)))
+    name = report_name(multirun_dir, df)
+    report_md.write_text(render_markdown(df, summary, verdicts, metric, name, plots, margin_units(metric, margin)))
     verdicts_json = root / VERDICTS_JSON
     verdicts_json.write_text(json.dumps(_json_safe({"metric": metric, "margin": margin_units(metric, margin),
                                                     "verdicts": [v.to_dict() for v in verdicts]}), indent=1) + "\n")
 
     top = top_settings(summary) if not summary.empty else summary  # the report's rule: a tie has no best setting
+    withheld = best_withheld(df, metric, margin_units(metric, margin))
     best = None
-    if len(top) == 1:
+    if len(top) == 1 and not withheld:
         b = top.iloc[0]
         best = {"setting": b["setting"], "n": int(b["n"]), "mean": float(b["monitored_mean"]),
                 "std": float(b["monitored_std"]), "test_acc_mean": float(b["test_acc_mean"])}
@@ -167,7 +186,8 @@ def write_report(multirun_dir: str | Path, metric: str = DEFAULT_METRIC, margin:
         "failed": [{k: (v if isinstance(v, str) else None) for k, v in rec.items()}
                    for rec in df.loc[~ok, ["member", "status", "error"]].to_dict("records")],
         "best_setting": best,
-        "tied": top["setting"].tolist() if len(top) > 1 else [],
+        "tied": top["setting"].tolist() if len(top) > 1 and not withheld else [],
+        "withheld": withheld,
         "summary": summary,
         "verdicts": [v.to_dict() for v in verdicts],
         "verdict_by_claim": {v.key: v.verdict for v in verdicts},
@@ -195,6 +215,8 @@ def best_line(res: dict) -> str:
         return f"best by {res['metric']}: {best['setting']} (mean {best['mean']:.4f} over {best['n']} seed(s))"
     if res["tied"]:
         return f"no best by {res['metric']}: {', '.join(res['tied'])} tie"
+    if res.get("withheld"):
+        return f"no best by {res['metric']}: {res['withheld']}"
     return f"no best by {res['metric']}: no finished member"
 
 
@@ -206,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     opts = parse(ReportOptions, words, "mhalab-report", USAGE)
     res = write_report(sweep_dir, metric=opts.metric, margin=opts.margin)
     print(f"members: {res['n_members']} ({res['n_finished']} finished, {len(res['failed'])} failed or incomplete)")
-    if res["best_setting"] or res["tied"]:
+    if res["best_setting"] or res["tied"] or res["withheld"]:
         print(best_line(res))
     scale, unit = points_scale(res["metric"])
     for v in res["verdicts"]:

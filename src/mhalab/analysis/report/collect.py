@@ -31,10 +31,11 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from mhalab.analysis.report import trained
 from mhalab.analysis.report.stats import DEFAULT_METRIC, higher_is_better
 from mhalab.analysis.report.values import finite, natural_key, parse_value, to_float
 from mhalab.errors import RunDirError
-from mhalab.train import record
+from mhalab.train import extent, record
 from mhalab.train.config import CONF_DIR
 
 log = logging.getLogger(__name__)
@@ -46,7 +47,7 @@ RESULT_COLUMNS = [
     "monitored", "best_val_loss", "best_epoch", "final_val_acc", "test_f1", "test_loss", "global_step",
     "padding_fraction", "dim", "heads", "head_dim", "layers", "ff_dim", "ff_ratio", "dropout", "lr",
     "batch_size", "max_epochs", "max_len", "dataset", "attention", "pos", "device",
-    "val_majority_acc", "val_classes_predicted",
+    "val_majority_acc", "val_classes_predicted", *trained.COLUMNS,
 ]
 
 
@@ -164,6 +165,23 @@ def read_metrics_csv(path: Path | None) -> pd.DataFrame | None:
         return None
 
 
+def training_val_rows(csv: pd.DataFrame, epochs: float = math.nan) -> pd.DataFrame:
+    """The rows of a Lightning CSV log with a val/loss logged during fit.
+
+    The evaluation of the best checkpoint after fit (trainer.validate) is logged too, at the last
+    step again and at epoch = current_epoch (= epochs completed): such rows are dropped (a repeated
+    step keeps its first row; epoch >= epochs is dropped when the number of epochs is known).
+    """
+    v = csv[pd.to_numeric(csv["val/loss"], errors="coerce").notna()]
+    if "step" in v.columns:
+        v = v[~(v["step"].duplicated(keep="first") & v["step"].notna())]
+    if finite(epochs) and "epoch" in v.columns:
+        kept = v[~(pd.to_numeric(v["epoch"], errors="coerce") >= epochs)]
+        if not kept.empty:
+            v = kept
+    return v
+
+
 def _best_from_csv(csv: pd.DataFrame | None, metric: str) -> float:
     if csv is None or metric not in csv.columns:
         return math.nan
@@ -262,6 +280,22 @@ def load_member(member_dir: Path, root: Path, metric: str = DEFAULT_METRIC) -> d
         cm = np.asarray(confusion, dtype=float)  # rows: true class, columns: predicted
         row["val_majority_acc"] = float(cm.sum(1).max() / max(cm.sum(), 1.0))
         row["val_classes_predicted"] = int((cm.sum(0) > 0).sum())
+    # what it trained and evaluated against its plan (mhalab.train.extent), for the rule of report.trained
+    ran = rec["trained"] if isinstance(rec["trained"], dict) else {}
+    if ran:
+        row["planned_steps"], row["stopped_early"] = ran.get("planned_steps"), bool(ran.get("stopped_early"))
+        row["steps_per_epoch"] = ran.get("steps_per_epoch")
+        for split in ("train", "val", "test"):
+            limit = ran.get(f"limit_{split}_batches")  # as text: the int 1 (a batch) is not the float 1.0 (all)
+            row[f"limit_{split}_batches"] = None if limit is None else str(limit)
+        row["val_evaluated"] = extent.evaluated_fraction(ran, "validation")
+        row["test_evaluated"] = extent.evaluated_fraction(ran, "test")
+    if csv is None:
+        csv = read_metrics_csv(csv_path)
+    if csv is not None and metric in csv.columns and "val/loss" in csv.columns:
+        values = pd.to_numeric(training_val_rows(csv, to_float(row["epochs"]))[metric], errors="coerce").dropna()
+        row["validations"] = len(values)
+        row["monitored_gain"] = trained.recent_gain(values.tolist(), higher_is_better(metric))
     row["_csv"] = str(csv_path) if csv_path else None
     return row
 
@@ -297,10 +331,14 @@ def results_from_csv(path: Path, metric: str = DEFAULT_METRIC) -> pd.DataFrame:
     if metric not in CSV_MONITORED:
         raise NoMembersError(f"{path.parent} has no member dirs, and its {path.name} holds only "
                              f"{', '.join(CSV_MONITORED)}: metric={metric} needs the members' metrics")
-    df = pd.read_csv(path, dtype={"member": str, "overrides": str, "setting": str, "status": str, "error": str})
+    df = pd.read_csv(path, dtype={"member": str, "overrides": str, "setting": str, "status": str, "error": str,
+                                  **{f"limit_{s}_batches": str for s in ("train", "val", "test")}})
     for c in RESULT_COLUMNS:
         if c not in df:
             df[c] = np.nan
+    if not np.allclose(pd.to_numeric(df["monitored"], errors="coerce"),
+                       pd.to_numeric(df[CSV_MONITORED[metric]], errors="coerce"), equal_nan=True):
+        df["monitored_gain"] = np.nan  # written for another metric: its gains are that metric's
     df["monitored"] = pd.to_numeric(df[CSV_MONITORED[metric]], errors="coerce")
     df["setting"] = [setting_of(str(o).split(" ")) if isinstance(o, str) and o else s
                      for o, s in zip(df["overrides"], df["setting"])]

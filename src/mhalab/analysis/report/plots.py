@@ -3,16 +3,15 @@ val-loss curves of every member, accuracy against the swept value, accuracy agai
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 
-from mhalab.analysis.report.collect import parse_setting, read_metrics_csv
+from mhalab.analysis.report.collect import parse_setting, read_metrics_csv, training_val_rows
 from mhalab.analysis.report.stats import valid_mask
-from mhalab.analysis.report.values import finite, fmt_num, to_float
+from mhalab.analysis.report.values import fmt_num, to_float
 
 PLOT_VAL_LOSS = "val_loss_curves.png"
 PLOT_ACC_VS_SWEPT = "acc_vs_swept.png"
@@ -67,23 +66,6 @@ def short_labels(settings: Iterable[str]) -> dict[str, str]:
 def _setting_colors(df: pd.DataFrame) -> dict[str, Any]:
     settings = list(dict.fromkeys(df["setting"]))
     return dict(zip(settings, _colors(len(settings))))
-
-
-def training_val_rows(csv: pd.DataFrame, epochs: float = math.nan) -> pd.DataFrame:
-    """The rows of a Lightning CSV log with a val/loss logged during fit.
-
-    The evaluation of the best checkpoint after fit (trainer.validate) is logged too, at the last
-    step again and at epoch = current_epoch (= epochs completed): such rows are dropped (a repeated
-    step keeps its first row; epoch >= epochs is dropped when the number of epochs is known).
-    """
-    v = csv[pd.to_numeric(csv["val/loss"], errors="coerce").notna()]
-    if "step" in v.columns:
-        v = v[~(v["step"].duplicated(keep="first") & v["step"].notna())]
-    if finite(epochs) and "epoch" in v.columns:
-        kept = v[~(pd.to_numeric(v["epoch"], errors="coerce") >= epochs)]
-        if not kept.empty:
-            v = kept
-    return v
 
 
 def plot_val_loss_curves(df: pd.DataFrame, path: Path) -> Path:

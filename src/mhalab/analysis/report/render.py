@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from mhalab.analysis.report import trained
 from mhalab.analysis.report.stats import (
     ALPHA,
     MIN_SEEDS,
@@ -21,7 +22,7 @@ from mhalab.analysis.report.stats import (
     top_settings,
     valid_mask,
 )
-from mhalab.analysis.report.values import finite, fmt_num
+from mhalab.analysis.report.values import finite, fmt_num, to_float
 from mhalab.analysis.report.verdicts import Verdict
 
 RESULTS_CSV = "results.csv"
@@ -53,7 +54,43 @@ def _uniq(df: pd.DataFrame, col: str) -> str:
     return ", ".join(out) if out else "?"
 
 
-def _scale_lines(df: pd.DataFrame) -> list[str]:
+def _limits(df: pd.DataFrame) -> str:
+    """'limit_train_batches=10, limit_test_batches=5': the limits other than the whole split (Lightning's 1.0)."""
+    out = []
+    for split in ("train", "val", "test"):
+        if vals := trained.limit_values(df[f"limit_{split}_batches"]):
+            out.append(f"limit_{split}_batches={', '.join(vals)}")
+    return ", ".join(out)
+
+
+def _trained_lines(df: pd.DataFrame, metric: str, margin: float) -> list[str]:
+    """What the members trained and evaluated against their plan (report.trained's columns), and who was not
+    trained to the end."""
+    if not trained.checked(df):
+        return []
+    steps, planned = (pd.to_numeric(df[c], errors="coerce").dropna() for c in ("global_step", "planned_steps"))
+    ok = valid_mask(df)
+    cut = trained.not_trained_mask(df[ok], margin)
+    per_epoch = trained.span(df["steps_per_epoch"])
+    lines = [(f"- optimizer steps: run {trained.span(steps)}, planned {trained.span(planned)} (max_epochs "
+              f"{_uniq(df, 'max_epochs')} × {per_epoch} steps an epoch over the whole training split, or max_steps)")]
+    if limits := _limits(df):
+        lines.append(f"- limits: {limits}")
+    lines.append(f"- evaluated: validation {trained.evaluated_share(df['val_evaluated'])}, test "
+                 f"{trained.evaluated_share(df['test_evaluated'])} of the split")
+    early = df["stopped_early"].map(lambda x: str(x).lower() == "true")
+    if early.any():
+        lines.append(f"- early stopping ended {int(early.sum())} of {len(df)} members")
+    if cut.any():
+        lines.append(f"- **not trained to the end**: {int(cut.sum())} of {int(ok.sum())} finished members "
+                     f"({trained.why(df[ok], metric, margin)}): they are named below")
+    else:
+        lines.append(f"- trained to the end: every finished member (its planned steps, and not still improving by "
+                     f"more than the margin over its last {trained.WINDOW} validations)")
+    return lines
+
+
+def _scale_lines(df: pd.DataFrame, metric: str, margin: float) -> list[str]:
     epochs = pd.to_numeric(df["epochs"], errors="coerce").dropna()
     params = pd.to_numeric(df["params"], errors="coerce").dropna()
     wall = pd.to_numeric(df["wall_time_s"], errors="coerce").dropna()
@@ -66,6 +103,7 @@ def _scale_lines(df: pd.DataFrame) -> list[str]:
         f"- attention: {_uniq(df, 'attention')}; positions: {_uniq(df, 'pos')}",
         f"- epochs: max_epochs {_uniq(df, 'max_epochs')}, run "
         + (f"{int(epochs.min())}–{int(epochs.max())}" if len(epochs) else "?"),
+        *_trained_lines(df, metric, margin),
         f"- device: {_uniq(df, 'device')}",
         "- parameters: " + (f"{int(params.min()):,}–{int(params.max()):,}" if len(params) else "?"),
         "- total wall time: " + (f"{wall.sum() / 3600:.2f} h over {len(wall)} members" if len(wall) else "?"),
@@ -93,13 +131,14 @@ def p_cell(c: Comparison | None) -> str:
 
 
 def render_markdown(df: pd.DataFrame, summary: pd.DataFrame, verdicts: list[Verdict], metric: str,
-                    multirun_dir: Path, plots: dict[str, Path], margin: float) -> str:
-    """margin: in metric units (Verdict.margin)."""
+                    name: str, plots: dict[str, Path], margin: float) -> str:
+    """name: the sweep's (write_report's report_name); margin: in metric units (Verdict.margin)."""
     scale, unit = points_scale(metric)
     digits = 2 if scale == 100 else 4
     ok = valid_mask(df)
     n_fail = int((~ok).sum())
-    L = [f"# Sweep report: `{multirun_dir}`", ""]
+    withheld = trained.best_withheld(df, metric, margin)
+    L = [f"# Sweep report: `{name}`", ""]
     L += [(f"{len(df)} members, {int(ok.sum())} finished with `{metric}`, {n_fail} failed or incomplete. "
           f"Monitored metric: `{metric}` (best over epochs, "
           f"{'higher' if higher_is_better(metric) else 'lower'} is better); test metrics are reported, "
@@ -107,11 +146,14 @@ def render_markdown(df: pd.DataFrame, summary: pd.DataFrame, verdicts: list[Verd
     if df.attrs.get("common"):  # left out of the setting labels below
         L += [f"Every member: `{' '.join(df.attrs['common'])}`.", ""]
     if df.attrs.get("from_csv"):
-        missing = [c for c in ("val_majority_acc", "val_classes_predicted") if df[c].isna().all()]
+        missing = [c for c in ("val_majority_acc", "val_classes_predicted", "planned_steps") if df[c].isna().all()]
+        unchecked = " and ".join(x for x, cols in (("learned", ("val_majority_acc", "val_classes_predicted")),
+                                                   ("was trained to the end", ("planned_steps",)))
+                                 if set(cols) & set(missing))
         L += [("Written from this dir's results.csv: its member dirs are gone"
-               + (f"; the file predates {', '.join(missing)}, so whether each model learned is not checked"
+               + (f"; the file predates {', '.join(missing)}, so whether each model {unchecked} is not checked"
                   if missing else "") + "."), ""]
-    L += ["## Scale measured", ""] + _scale_lines(df) + [""]
+    L += ["## Scale measured", ""] + _scale_lines(df, metric, margin) + [""]
 
     L += ["## Per-setting results (mean ± std over seeds)", ""]
     acc_s = "(×100)"
@@ -120,7 +162,7 @@ def render_markdown(df: pd.DataFrame, summary: pd.DataFrame, verdicts: list[Verd
     if metric != "val/acc":
         head.insert(2, f"{metric}{' (×100)' if scale == 100 else ''}")
     L += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    best_one = top_settings(summary)["setting"].tolist()
+    best_one = [] if withheld else top_settings(summary)["setting"].tolist()
     for _, r in summary.iterrows():  # the best setting in bold; none in a tie
         name = f"**{_md(r['setting'])}**" if best_one == [r["setting"]] else _md(r["setting"])
         cells = [name, str(r["n"]), _pm(r["best_val_acc_mean"], r["best_val_acc_std"], 100, 2),
@@ -136,6 +178,8 @@ def render_markdown(df: pd.DataFrame, summary: pd.DataFrame, verdicts: list[Verd
     ranked, top = summary[summary["n"] > 0], top_settings(summary)
     if ranked.empty:
         L += ["No finished member: no best setting.", ""]
+    elif withheld:
+        L += [f"No best setting: {withheld}", ""]
     elif len(top) > 1:
         L += [(f"No best setting: {', '.join(f'**{_md(x)}**' for x in top['setting'])} tie at `{metric}` "
               f"{top['monitored_mean'].iloc[0] * scale:.{digits}f}{unit}."), ""]
@@ -167,9 +211,11 @@ def render_markdown(df: pd.DataFrame, summary: pd.DataFrame, verdicts: list[Verd
           f"worse and by TOST for equivalence within ±{margin * scale:g}{unit} (the margin), each "
           "Holm-corrected across the claim's alternatives. **supported**: better than every alternative; "
           "**contradicted**: worse than one; **no practical difference**: better than or within the margin of each; "
-          f"**inconclusive**: an interval crosses the margin (or fewer than {MIN_SEEDS} seeds); **not decided**: most "
-          "members of a compared group did not learn (validation accuracy at the majority class's level, or one class "
-          "predicted), or every member has the same value. Effect = claimed − "
+          f"**inconclusive**: an interval crosses the margin (or fewer than {MIN_SEEDS} seeds); **not decided**: a "
+          "member of a compared group was not trained to the end (it stopped short of its planned steps, or its "
+          f"`{metric}` still rose by more than the margin over its last {trained.WINDOW} validations: "
+          "mhalab.analysis.report.trained), most members of a compared group did not learn (validation accuracy at "
+          "the majority class's level, or one class predicted), or every member has the same value. Effect = claimed − "
           "alternative (> 0: claimed better) with its two-sided 95% CI; detectable = the smallest true effect that "
           f"comparison finds with 80% power at {ALPHA:g} / m for m alternatives, Holm's strictest step (from its seed "
           "variance; an inconclusive verdict rules out "
@@ -203,6 +249,20 @@ def render_markdown(df: pd.DataFrame, summary: pd.DataFrame, verdicts: list[Verd
             parts = [f"{grp(c.alternative, v)}: {c.outcome}, {c.effect * scale:+.{digits}f} {_ci(c, scale, digits)}, "
                      f"{p_cell(c)}" for c in v.comparisons]
             L.append(f"- {v.claim}, claimed {grp(v.claimed, v)}; " + "; ".join(parts))
+        L.append("")
+
+    cut = trained.not_trained_mask(df[ok], margin)
+    if cut.any():
+        L += ["## Not trained to the end", "",
+              (f"Finished, but short of their planned steps or with `{metric}` still rising by more than the margin "
+               f"over their last {trained.WINDOW} validations (mhalab.analysis.report.trained):"), "",
+              "| member | setting | seed | steps run / planned | epochs | last gain |", "|---|---|---|---|---|---|"]
+        for _, r in df[ok][cut].iterrows():
+            gain = to_float(r["monitored_gain"])
+            L.append(f"| {_md(r['member'])} | {_md(r['setting'])} | {r['seed']} | "
+                     f"{fmt_num(to_float(r['global_step']))} / {fmt_num(to_float(r['planned_steps']))} | "
+                     f"{fmt_num(to_float(r['epochs']))} / {fmt_num(to_float(r['max_epochs']))} | "
+                     + (f"{gain * scale:+.{digits}f}{unit} |" if finite(gain) else "– |"))
         L.append("")
 
     L += ["## Failed members", ""]

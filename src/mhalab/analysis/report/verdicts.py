@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
+from mhalab.analysis.report import trained
 from mhalab.analysis.report.stats import (
     DEFAULT_METRIC,
     INCONCLUSIVE,
@@ -212,6 +213,11 @@ def compute_verdicts(df: pd.DataFrame, metric: str = DEFAULT_METRIC, margin: flo
             out.append(Verdict(key=spec["key"], claim=spec["claim"], variable=var, verdict=INCONCLUSIVE,
                                reason=f"no finished runs for {missing}", covered=True, claimed=claimed,
                                margin=margin, also_varies=also, confounded=confounded, tuned=tuned))
+            continue
+        if cut := trained.withheld(df, pd.concat(list(subs.values())), metric, margin):
+            out.append(Verdict(key=spec["key"], claim=spec["claim"], variable=var, verdict=NOT_DECIDED, reason=cut,
+                               covered=True, claimed=claimed, margin=margin, also_varies=also,
+                               confounded=confounded, tuned=tuned))
             continue
         if same or stuck:
             why = (f"every member has the same {metric} ({fmt_num(monitored.iloc[0])}): nothing to compare" if same
