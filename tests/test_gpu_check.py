@@ -170,11 +170,14 @@ def test_dry_run_heads_part_trains_each_member_and_reports_its_verdicts(dry_run)
     assert sorted(heads["members"]) == ["1", "2"]  # the dry run's heads=1,2 at tiny sizes
     assert all(m["status"] == "finished" and m["global_step"] == 4 for m in heads["members"].values())
     claims = {v["key"]: v for v in heads["verdicts"]["verdicts"]}
-    # 4 steps on toy data: the models have not learned, and the report says so instead of deciding (on the GPU,
-    # where they learn, one seed is "inconclusive: fewer than 2 seeds")
+    # 4 steps on toy data, one seed: the report never decides the claim. Whether a member learned something in 4
+    # steps depends on its initial draws (heads=2 reaches ~73% with PyTorch's init order, 2026-12-05); it says
+    # "not decided" when the members did not learn, else "inconclusive" with one seed (as on the GPU)
     reason = claims["head_dim_min_64"]["reason"]
-    assert claims["head_dim_min_64"]["verdict"] == "not decided"
-    assert "did not learn" in reason or "every member has the same val/acc" in reason, reason
+    verdict = claims["head_dim_min_64"]["verdict"]
+    assert verdict in ("not decided", "inconclusive"), (verdict, reason)
+    assert ("did not learn" in reason or "every member has the same val/acc" in reason if verdict == "not decided"
+            else "fewer than 2 seeds" in reason), reason
     assert "heads_report.md" in {f.name for f in back.iterdir()}
     assert "| 2 | finished | 4 |" in (tmp / "out" / "gpu_check.md").read_text()
 
