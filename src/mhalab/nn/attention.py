@@ -1,14 +1,15 @@
 """Multi-Head Attention from scratch, following the article (sections 2 and 3), made correct.
 
 What differs from the article, and why:
-  * masks follow PyTorch's convention (bool True = blocked, float = added); the article's
-    `masked_fill(mask == 0, -1e9)` blocked the wrong keys. All masks go through `masks.merge_masks`.
-  * `ScaledDotProductAttention` works on 3-D (B, L, d) and 4-D (B, H, L, d) inputs; the article's
-    unpacked `Q.size()` into 3 names and crashed on the 4-D tensors its own MHA passes in.
-  * no dropout after W_O: the encoder layer owns the residual dropout (the article applied two).
-  * `need_weights=False` takes PyTorch's fused kernel (flash / memory-efficient on CUDA). On CPU,
-    where SDPA has no kernel with dropout, long sequences attend in checkpointed query blocks.
-  * a query whose keys are all masked gives output 0 and zero gradients instead of NaN.
+
+- masks follow PyTorch's convention (bool True = blocked, float = added); the article's
+  `masked_fill(mask == 0, -1e9)` blocked the wrong keys. All masks go through `masks.merge_masks`.
+- `ScaledDotProductAttention` works on 3-D (B, L, d) and 4-D (B, H, L, d) inputs; the article's
+  unpacked `Q.size()` into 3 names and crashed on the 4-D tensors its own MHA passes in.
+- no dropout after W_O: the encoder layer owns the residual dropout (the article applied two).
+- `need_weights=False` takes PyTorch's fused kernel (flash / memory-efficient on CUDA). On CPU,
+  where SDPA has no kernel with dropout, long sequences attend in checkpointed query blocks.
+- a query whose keys are all masked gives output 0 and zero gradients instead of NaN.
 """
 
 from __future__ import annotations

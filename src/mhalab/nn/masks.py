@@ -1,8 +1,10 @@
 """The one place where attention masks are checked, converted and merged.
 
 Contract (PyTorch's, see `nn.MultiheadAttention`):
-  * a bool mask is True where attention is NOT allowed;
-  * a float mask is ADDED to the scores (use -inf to block).
+
+- a bool mask is True where attention is NOT allowed;
+- a float mask is ADDED to the scores (use -inf to block).
+
 Everything downstream sees a single additive float mask, broadcastable to the scores
 (B, H, L_q, L_k), with -inf where a key is blocked. Broadcast dimensions stay size 1:
 a key-padding mask becomes (B, 1, 1, L_k), never a materialised (B, H, L_q, L_k) tensor.

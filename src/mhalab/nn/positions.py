@@ -1,12 +1,16 @@
 """Position schemes: absolute ones added to the embeddings, relative ones that live inside attention.
 
 Absolute (the model adds them to the token embeddings, (B, L, E) -> (B, L, E)):
-  * `SinusoidalPosition`   Vaswani et al. 2017 (the article's choice);
-  * `LearnedPosition`      one trained vector per position (BERT).
+
+- `SinusoidalPosition`   Vaswani et al. 2017 (the article's choice);
+- `LearnedPosition`      one trained vector per position (BERT).
+
 Relative (the article's "next steps"), each plugged into a hook of `mhalab.nn.attention.MultiHeadAttention`:
-  * `RotaryEmbedding`      -> `rotary(q, k) -> (q, k)`, applied to (B, H, L, d) after the head split;
-  * `ALiBi`                -> `position_bias(L_q, L_k) -> (H, L_q, L_k)`, added to the scores;
-  * `T5RelativeBias`       -> `position_bias(L_q, L_k) -> (H, L_q, L_k)`, added to the scores.
+
+- `RotaryEmbedding`      -> `rotary(q, k) -> (q, k)`, applied to (B, H, L, d) after the head split;
+- `ALiBi`                -> `position_bias(L_q, L_k) -> (H, L_q, L_k)`, added to the scores;
+- `T5RelativeBias`       -> `position_bias(L_q, L_k) -> (H, L_q, L_k)`, added to the scores.
+
 The bias modules go through `masks.merge_masks`, so they combine with padding and attention masks
 exactly like any other additive mask. None of the relative ones adds anything to the token embeddings.
 

@@ -9,15 +9,16 @@ that is about half.
     out = varlen_attention(mha, qkv, seqlens)  # qkv (N, 3E) -> (N, E), each sequence attending to itself
 
 How attention runs per sequence (`varlen_attention`):
-  * on CUDA, plain softmax attention without dropout, bias or mask: PyTorch's varlen kernel
-    (torch.nn.attention.varlen.varlen_attn, FlashAttention) in one call, where the installed torch has it;
-  * everywhere else: the sequences sorted by length and cut into a few calls of the layer's own kernel on
-    (count, H, width, d), each call's sequences of equal or close lengths (CallPlan: a call takes a shorter
-    sequence while padding it costs less than a call of its own, CALL_COST), the few pads masked as keys.
-    Long, varied sequences (IMDB) get about one call per sequence, which on CPU trains 2.2x faster than
-    one padded masked call; short sentences (SST-2) a few calls per batch, where tens of calls would cost
-    more in overhead than their padding. Every kernel (full, window, linformer) and position (RoPE, ALiBi,
-    T5) sees a sequence exactly as the padded path sees its real tokens: positions 0..n-1, the same keys.
+
+- on CUDA, plain softmax attention without dropout, bias or mask: PyTorch's varlen kernel
+  (torch.nn.attention.varlen.varlen_attn, FlashAttention) in one call, where the installed torch has it;
+- everywhere else: the sequences sorted by length and cut into a few calls of the layer's own kernel on
+  (count, H, width, d), each call's sequences of equal or close lengths (CallPlan: a call takes a shorter
+  sequence while padding it costs less than a call of its own, CALL_COST), the few pads masked as keys.
+  Long, varied sequences (IMDB) get about one call per sequence, which on CPU trains 2.2x faster than
+  one padded masked call; short sentences (SST-2) a few calls per batch, where tens of calls would cost
+  more in overhead than their padding. Every kernel (full, window, linformer) and position (RoPE, ALiBi,
+  T5) sees a sequence exactly as the padded path sees its real tokens: positions 0..n-1, the same keys.
 """
 
 from __future__ import annotations
