@@ -247,3 +247,43 @@ def test_a_claim_with_several_alternatives_states_the_detectable_effect_at_holms
         assert comp.detectable > detectable_effect(comp.se, comp.df)
     (alone,) = claim_verdict(claimed, alts[:1], 1.0, MARGIN)[2]
     assert alone.detectable == pytest.approx(detectable_effect(alone.se, alone.df))  # one alternative: at 0.05
+
+
+def _power(n: int, effect: float, sd: float, alpha: float, designs: int = 40_000) -> float:
+    """The paired t-test's rejection rate over simulated designs of n seeds with this true effect."""
+    diffs = np.random.default_rng(n).normal(effect, sd, size=(designs, n))
+    t = diffs.mean(1) / (diffs.std(1, ddof=1) / math.sqrt(n))
+    return float(np.mean(2 * stats.t.sf(np.abs(t), n - 1) < alpha))
+
+
+@pytest.mark.parametrize("sd, alpha", [(1.3, 0.05), (0.6, 0.05), (1.8, 0.05 / 3)])
+def test_seeds_needed_give_80_percent_power_at_the_margin_in_simulated_paired_designs(sd, alpha):
+    """seeds_needed's n, planned from a design whose seed spread is sd: a true effect of the margin (1 point) is found
+    in >= 80% of simulated designs of n seeds and in < 80% with n - 1 (40,000 designs each: standard error 0.2
+    points, so the bounds allow 1 point)."""
+    from mhalab.analysis.report.stats import seeds_needed
+
+    observed = compare(_group([0.0, 0.0], label="a"), _group([0.0, 0.0], label="b"), 1.0, 1.0)
+    observed.test, observed.unit_var = "paired", sd ** 2  # a paired design whose differences spread by sd
+    n = int(seeds_needed(observed, margin=1.0, alpha=alpha))
+    assert _power(n, 1.0, sd, alpha) >= 0.79
+    assert _power(n - 1, 1.0, sd, alpha) < 0.81
+    assert n > (sd * (stats.norm.ppf(1 - alpha / 2) + stats.norm.ppf(0.8))) ** 2  # t needs more than z's count
+
+
+def test_an_inconclusive_claim_states_the_seeds_and_cpu_hours_that_would_decide_it():
+    """From its comparisons' seed variance and its members' wall time: the seeds per group, how many to add, and the
+    CPU hours they cost (one member per group and seed, 360 s each: 720 s per added seed)."""
+    rng = np.random.default_rng(11)
+    rows = [{"status": "finished", "seed": s, "monitored": 0.80 + (0.004 if d == 0.1 else 0.0) + rng.normal(0, 0.01),
+             "dim": 128, "heads": 4, "ff_dim": 512, "dropout": d, "wall_time_s": 360.0}
+            for d in (0.1, 0.2) for s in range(5)]
+    (v,) = [v for v in compute_verdicts(pd.DataFrame(rows)) if v.key == "dropout_0.1"]
+    assert v.verdict == INCONCLUSIVE
+    (comp,) = v.comparisons
+    from mhalab.analysis.report.stats import seeds_needed
+
+    assert v.seeds_needed == seeds_needed(comp, MARGIN) > 5
+    assert v.extra_seeds == v.seeds_needed - 5
+    assert v.cpu_hours_needed == pytest.approx(v.extra_seeds * 2 * 360 / 3600)
+    assert f"~{int(v.seeds_needed)} seeds per group" in v.reason and f"{int(v.extra_seeds)} more" in v.reason

@@ -236,6 +236,8 @@ def main(argv: list[str] | None = None) -> int:
         effect = (f" ({v['effect'] * scale:+.2f}{unit} vs {v['headline']}, 95% CI {ci[0] * scale:+.2f} to "
                   f"{ci[1] * scale:+.2f})" if ci and all(map(math.isfinite, ci)) else "")
         print(f"  {v['claim']}: {v['verdict']}{effect}")
+        if math.isfinite(v.get("seeds_needed", math.nan)):
+            print(f"    to decide it: {v['reason'].rsplit('; ', 1)[-1]}")
     print(f"wrote {res['results_csv']}")
     print(f"wrote {res['verdicts_json']}")
     print(f"wrote {res['report_md']}")

@@ -219,7 +219,9 @@ def render_markdown(df: pd.DataFrame, summary: pd.DataFrame, verdicts: list[Verd
           "alternative (> 0: claimed better) with its two-sided 95% CI; detectable = the smallest true effect that "
           f"comparison finds with 80% power at {ALPHA:g} / m for m alternatives, Holm's strictest step (from its seed "
           "variance; an inconclusive verdict rules out "
-          "no effect below it). Other swept variables are averaged over "
+          "no effect below it; its why gives the seeds per group that would find an effect of the margin with "
+          "80% power at that level, and their CPU hours at the members' measured wall time). Other swept variables "
+          "are averaged over "
           "(marginal means; 'also varies' flags confounds); a swept lr is tuned per group (its best on "
           "validation)."), ""]
     vh = ["claim", "verdict", "claimed group", "closest alternative", f"effect{unit} [95% CI]",

@@ -177,6 +177,7 @@ class GroupStats:
     label: str
     n: int  # members with a value
     per_seed: pd.Series  # seed -> mean of the group's members at that seed
+    wall_s: float = math.nan  # the members' wall time, summed: what a seed of this group costs, times n_seeds
 
     @property
     def n_seeds(self) -> int:
@@ -196,7 +197,9 @@ class GroupStats:
     def of(cls, label: str, sub: pd.DataFrame) -> GroupStats:
         vals = pd.to_numeric(sub["monitored"], errors="coerce")
         per_seed = vals.groupby(sub["seed"]).mean().dropna() if len(sub) else pd.Series(dtype=float)
-        return cls(label=label, n=int(vals.notna().sum()), per_seed=per_seed)
+        wall = pd.to_numeric(sub["wall_time_s"], errors="coerce") if "wall_time_s" in sub else pd.Series(dtype=float)
+        return cls(label=label, n=int(vals.notna().sum()), per_seed=per_seed,
+                   wall_s=float(wall.sum()) if wall.notna().any() else math.nan)
 
 
 @dataclass
@@ -218,6 +221,10 @@ class Comparison:
     # the smallest true effect this design finds with 80% power (detectable_effect): at ALPHA for one comparison, at
     # Holm's strictest step ALPHA / m when a claim has m tested alternatives (claim_verdict)
     detectable: float = math.nan
+    # the variance of one seed's contribution: of the per-seed differences (paired), or the two groups' variances
+    # summed (welch); se**2 = unit_var / n. seeds_needed plans from it
+    unit_var: float = math.nan
+    seeds_needed: float = math.nan  # seeds per group for 80% power at the margin (seeds_needed), unclear ones only
     outcome: str = UNCLEAR
 
 
@@ -233,10 +240,12 @@ def compare(claimed: GroupStats, alternative: GroupStats, sign: float, margin: f
         d = c.loc[shared] - a.loc[shared]  # per-seed differences
         out.test, out.n, out.effect, out.df = "paired", len(d), float(d.mean()), len(d) - 1.0
         out.se = float(d.std(ddof=1)) / math.sqrt(len(d))
+        out.unit_var = float(d.var(ddof=1))
     else:
         vc, va = c.var(ddof=1) / len(c), a.var(ddof=1) / len(a)
         out.test, out.n, out.effect = "welch", min(len(c), len(a)), float(c.mean() - a.mean())
         out.se = math.sqrt(vc + va)
+        out.unit_var = float(c.var(ddof=1) + a.var(ddof=1))
         denom = vc ** 2 / (len(c) - 1) + va ** 2 / (len(a) - 1)
         out.df = (vc + va) ** 2 / denom if denom > 0 else len(c) + len(a) - 2.0
     e, se, df = out.effect, out.se, out.df
@@ -274,6 +283,30 @@ def detectable_effect(se: float, df: float, alpha: float = ALPHA, power: float =
     return float(optimize.brentq(shortfall, 0.0, high))
 
 
+def seeds_needed(comp: Comparison, margin: float, alpha: float = ALPHA, power: float = POWER,
+                 most: int = 1000) -> float:
+    """Seeds per group at which this comparison's design finds a true effect of `margin` with probability `power`
+    (a two-sided t-test at `alpha`): the smallest n with detectable_effect(sqrt(unit_var / n), df(n)) <= margin,
+    df = n - 1 (paired) or 2n - 2 (welch, equal seeds from here on), from the observed seed variance (unit_var).
+    NaN when the comparison was not tested, inf beyond `most`. Checked against simulated designs in
+    tests/test_verdict_statistics.py."""
+    if comp.test == "none" or not (comp.unit_var > 0 and margin > 0):
+        return math.nan
+    df = (lambda n: n - 1.0) if comp.test == "paired" else (lambda n: 2.0 * n - 2.0)
+    found = lambda n: detectable_effect(math.sqrt(comp.unit_var / n), df(n), alpha, power) <= margin
+    z = stats.norm.ppf(1 - alpha / 2) + stats.norm.ppf(power)
+    n = max(2, math.ceil(comp.unit_var * (z / margin) ** 2))  # the normal approximation: t needs a few more
+    if n > most:
+        return math.inf
+    while n > 2 and found(n - 1):
+        n -= 1
+    while not found(n):
+        n += 1
+        if n > most:
+            return math.inf
+    return float(n)
+
+
 def holm(p: list[float]) -> list[float]:
     """Holm's step-down adjusted p-values (NaN stays NaN and does not count as a test)."""
     idx = [i for i, x in enumerate(p) if not math.isnan(x)]
@@ -301,6 +334,8 @@ def claim_verdict(claimed: GroupStats, alternatives: list[GroupStats], sign: flo
             comp.outcome = EQUIVALENT
         elif comp.p_diff_holm < ALPHA:
             comp.outcome = BETTER if comp.effect > 0 else WORSE
+        else:  # unclear: what it would take (at the level detectable is stated at)
+            comp.seeds_needed = seeds_needed(comp, margin, alpha=ALPHA / max(tested, 1))
     untested = [c.alternative.label for c in comps if c.test == "none"]
     outcomes = [c.outcome for c in comps]
     if untested and len(untested) == len(comps):

@@ -36,10 +36,12 @@ from mhalab.analysis.report.stats import (
     NOT_DECIDED,
     Comparison,
     GroupStats,
+    UNCLEAR,
     claim_verdict,
     higher_is_better,
     margin_units,
     not_learned_mask,
+    points_scale,
     valid_mask,
 )
 from mhalab.analysis.report.values import finite, fmt_num
@@ -62,6 +64,11 @@ class Verdict:
     also_varies: list[str] = field(default_factory=list)
     confounded: list[str] = field(default_factory=list)  # of also_varies: fixed by the claim's variable (not averaged)
     tuned: dict[str, str] = field(default_factory=dict)  # group label -> "lr=..." it was taken at
+    # an inconclusive claim's plan (plan_seeds): seeds per group for 80% power at the margin in every unclear
+    # comparison, how many more than the fewest it has, and what they cost at its members' measured wall time
+    seeds_needed: float = math.nan
+    extra_seeds: float = math.nan
+    cpu_hours_needed: float = math.nan
 
     @property
     def headline(self) -> Comparison | None:
@@ -83,7 +90,8 @@ class Verdict:
                 "comparisons": comps, "headline": None if h is None else h.alternative.label,
                 "effect": h.effect if h else math.nan, "ci": [h.ci_low, h.ci_high] if h else None,
                 "margin": self.margin, "also_varies": self.also_varies, "confounded": self.confounded,
-                "tuned": self.tuned}
+                "tuned": self.tuned, "seeds_needed": self.seeds_needed, "extra_seeds": self.extra_seeds,
+                "cpu_hours_needed": self.cpu_hours_needed}
 
 
 def _distinct(values: Iterable[float]) -> list[float]:
@@ -162,6 +170,32 @@ def _at_best_tuned(sub: pd.DataFrame, sign: float) -> tuple[pd.DataFrame, str]:
     return sub, ", ".join(chosen)
 
 
+def plan_seeds(claimed: GroupStats, comps: list[Comparison]) -> tuple[float, float, float]:
+    """(seeds per group, seeds to add, CPU hours) that would give every unclear comparison 80% power at the margin:
+    the largest of their seeds_needed; added to the claimed group and each unclear alternative from the fewest
+    seeds any of them has; costed at each group's measured wall time per seed (its members' wall time summed over
+    its seeds). NaN when no comparison has a plan (untested ones have none)."""
+    unclear = [c for c in comps if c.outcome == UNCLEAR and not math.isnan(c.seeds_needed)]
+    if not unclear:
+        return math.nan, math.nan, math.nan
+    needed = max(c.seeds_needed for c in unclear)
+    groups = [claimed, *(c.alternative for c in unclear)]
+    extra = max(0.0, needed - min(g.n_seeds for g in groups))
+    per_seed = sum(g.wall_s / g.n_seeds for g in groups)  # seconds
+    return needed, extra, extra * per_seed / 3600.0
+
+
+def plan_words(needed: float, extra: float, cpu_h: float, margin_text: str) -> str:
+    """The plan in the words of a verdict's "why"."""
+    if math.isnan(needed):
+        return ""
+    if math.isinf(needed):
+        return f"no practical number of seeds (over 1,000 per group) finds an effect of {margin_text} with 80% power"
+    cost = f", ~{cpu_h:.1f} CPU h at these members' times" if math.isfinite(cpu_h) else ""
+    return (f"~{int(needed)} seeds per group would find an effect of {margin_text} with 80% power "
+            f"({int(extra)} more{cost})")
+
+
 def derive_columns(df: pd.DataFrame) -> pd.DataFrame:
     """The claim variables as numbers: head_dim from the config or dim / heads, ff_ratio = ff_dim / dim."""
     df = df.copy()
@@ -228,9 +262,16 @@ def compute_verdicts(df: pd.DataFrame, metric: str = DEFAULT_METRIC, margin: flo
                                confounded=confounded, tuned=tuned))
             continue
         verdict, reason, comps = claim_verdict(claimed, [g for g in groups.values() if g.n], sign, margin)
+        needed = extra = cpu_h = math.nan
+        if verdict == INCONCLUSIVE:
+            needed, extra, cpu_h = plan_seeds(claimed, comps)
+            scale, unit = points_scale(metric)
+            if words := plan_words(needed, extra, cpu_h, f"{fmt_num(margin * scale)}{unit}"):
+                reason += f"; {words}"
         if failed := [name for name, g in groups.items() if not g.n]:  # the verdict is over the others: say so
             reason += f"; not compared: {', '.join(failed)} (no finished runs)"
         out.append(Verdict(key=spec["key"], claim=spec["claim"], variable=var, verdict=verdict, reason=reason,
                            covered=True, claimed=claimed, comparisons=comps, margin=margin,
-                           also_varies=also, confounded=confounded, tuned=tuned))
+                           also_varies=also, confounded=confounded, tuned=tuned, seeds_needed=needed,
+                           extra_seeds=extra, cpu_hours_needed=cpu_h))
     return out
