@@ -287,3 +287,17 @@ def test_an_inconclusive_claim_states_the_seeds_and_cpu_hours_that_would_decide_
     assert v.extra_seeds == v.seeds_needed - 5
     assert v.cpu_hours_needed == pytest.approx(v.extra_seeds * 2 * 360 / 3600)
     assert f"~{int(v.seeds_needed)} seeds per group" in v.reason and f"{int(v.extra_seeds)} more" in v.reason
+
+
+def test_mhalab_report_prints_what_would_decide_the_committed_sst2_dropout_claim(tmp_path, capsys):
+    """The summary a user reads: on the committed SST-2 dropout sweep (5 seeds), the plan in seeds and CPU hours."""
+    import shutil
+    from pathlib import Path
+
+    from mhalab.analysis.report import main
+
+    shutil.copy(Path(__file__).parents[1] / "results/sweeps/sst2/dropout/results.csv", tmp_path / "results.csv")
+    assert main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert ("dropout 0.1: inconclusive" in out and "to decide it: ~36 seeds per group would find an effect of 1 pts "
+            "with 80% power (31 more, ~12.1 CPU h at these members' times)" in out), out

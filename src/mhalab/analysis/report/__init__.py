@@ -63,7 +63,8 @@ from mhalab.analysis.report.stats import (
     valid_mask,
 )
 from mhalab.analysis.report.trained import best_withheld, presets
-from mhalab.analysis.report.verdicts import compute_verdicts
+from mhalab.analysis.report.values import fmt_num
+from mhalab.analysis.report.verdicts import compute_verdicts, plan_words
 from mhalab.errors import ConfigError, one_line_errors
 
 log = logging.getLogger(__name__)
@@ -236,8 +237,9 @@ def main(argv: list[str] | None = None) -> int:
         effect = (f" ({v['effect'] * scale:+.2f}{unit} vs {v['headline']}, 95% CI {ci[0] * scale:+.2f} to "
                   f"{ci[1] * scale:+.2f})" if ci and all(map(math.isfinite, ci)) else "")
         print(f"  {v['claim']}: {v['verdict']}{effect}")
-        if math.isfinite(v.get("seeds_needed", math.nan)):
-            print(f"    to decide it: {v['reason'].rsplit('; ', 1)[-1]}")
+        if words := plan_words(v["seeds_needed"], v["extra_seeds"], v["cpu_hours_needed"],
+                               f"{fmt_num(v['margin'] * scale)}{unit}"):
+            print(f"    to decide it: {words}")
     print(f"wrote {res['results_csv']}")
     print(f"wrote {res['verdicts_json']}")
     print(f"wrote {res['report_md']}")
