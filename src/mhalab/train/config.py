@@ -194,6 +194,8 @@ def validate(cfg: DictConfig) -> None:
             raise ConfigError(f"max_epochs={epochs} would train forever and the lr schedule needs a length; set "
                               f"max_epochs >= 1, or trainer.max_steps=N.")
     _int(cfg, "seed", 0)
+    if OmegaConf.select(cfg, "sweep.until_decided"):
+        _check_until_decided()
     _check_pretraining(cfg)
     from mhalab.train.loggers import check_installed
 
@@ -243,6 +245,16 @@ def _check_nodes(nodes: int) -> None:
     if not any(o.split("=", 1)[0].lstrip("+") == "hydra.run.dir" for o in HydraConfig.get().overrides.hydra):
         raise ConfigError(f"trainer.num_nodes={nodes}: every node runs this command and all of them write into one "
                           f"run dir; pass the same hydra.run.dir=<a dir every node sees> on each node.")
+
+
+def _check_until_decided() -> None:
+    """sweep.until_decided is read by the until_decided sweeper only: elsewhere it would be silently ignored."""
+    from hydra.core.hydra_config import HydraConfig
+
+    sweeper = HydraConfig.get().sweeper.get("_target_", "") if HydraConfig.initialized() else ""
+    if not str(sweeper).endswith(".UntilDecidedSweeper"):
+        raise ConfigError("sweep.until_decided=true is read by the until_decided sweeper, which this run does not "
+                          "use: run a sweep preset with -m (sweep=dropout ...), or add -m hydra/sweeper=until_decided.")
 
 
 def _check_pretraining(cfg: DictConfig) -> None:

@@ -31,11 +31,12 @@ from pathlib import Path
 import pandas as pd
 
 from mhalab.analysis.options import doc, parse, split_dir
+from mhalab.analysis.report import sequential
 from mhalab.analysis.report.collect import (
     RESULT_COLUMNS,
     NoMembersError,
     collect_results,
-    results_from_csv,
+    read_sweep,
     setting_of,
     training_val_rows,
 )
@@ -128,20 +129,19 @@ def write_report(multirun_dir: str | Path, metric: str = DEFAULT_METRIC, margin:
         raise ConfigError(f"metric={metric} is a test metric, and selecting by one would leak the test set "
                           "into the choice: give a validation metric (metric=val/acc or metric=val/loss)")
     root = Path(multirun_dir).resolve()
-    from_csv = False
-    try:
-        df = collect_results(root, metric)
-    except NoMembersError:
-        if not (root / RESULTS_CSV).is_file():
-            raise
-        # the members are gone (a copy under results/): the report again from its results.csv, under today's
-        # rules; the validation curves need the members' logs, so their plot stays as it was
-        df, from_csv = results_from_csv(root / RESULTS_CSV, metric), True
+    # members gone (a copy under results/): the report again from its results.csv, under today's rules; the
+    # validation curves need the members' logs, so their plot stays as it was
+    df, from_csv = read_sweep(root, metric)
     summary = summarize_settings(df, metric)
     if margin is not None and not margin > 0:
         raise ConfigError(f"margin={margin} must be > 0: the smallest difference that matters (default 1 point of "
                           "an accuracy, 0.01 of a loss)")
     verdicts = compute_verdicts(df, metric, margin)
+    seq = None
+    if record := sequential.read_record(root):  # a sweep run until decided: its looks give the verdicts to read
+        design, looks = record
+        seq = {"design": design, "looks": sequential.read_looks(df, looks, tuple(design["planned"]),
+                                                                 design["alpha"], metric, margin)}
 
     results_csv = root / RESULTS_CSV
     _for_csv(df[RESULT_COLUMNS]).to_csv(results_csv, index=False)
@@ -161,10 +161,13 @@ def write_report(multirun_dir: str | Path, metric: str = DEFAULT_METRIC, margin:
 
     report_md = root / REPORT_MD
     name = report_name(multirun_dir, df)
-    report_md.write_text(render_markdown(df, summary, verdicts, metric, name, plots, margin_units(metric, margin)))
+    scale, unit = points_scale(metric)
+    report_md.write_text(render_markdown(df, summary, verdicts, metric, name, plots, margin_units(metric, margin),
+                                         sequential.markdown(seq["looks"], seq["design"], scale, unit) if seq else []))
     verdicts_json = root / VERDICTS_JSON
     verdicts_json.write_text(json.dumps(_json_safe({"metric": metric, "margin": margin_units(metric, margin),
-                                                    "verdicts": [v.to_dict() for v in verdicts]}), indent=1) + "\n")
+                                                    "verdicts": [v.to_dict() for v in verdicts],
+                                                    **({"sequential": seq} if seq else {})}), indent=1) + "\n")
 
     top = top_settings(summary) if not summary.empty else summary  # the report's rule: a tie has no best setting
     withheld = best_withheld(df, metric, margin_units(metric, margin))
@@ -192,6 +195,7 @@ def write_report(multirun_dir: str | Path, metric: str = DEFAULT_METRIC, margin:
         "summary": summary,
         "verdicts": [v.to_dict() for v in verdicts],
         "verdict_by_claim": {v.key: v.verdict for v in verdicts},
+        "sequential": seq,
     }
 
 
@@ -240,6 +244,13 @@ def main(argv: list[str] | None = None) -> int:
         if words := plan_words(v["seeds_needed"], v["extra_seeds"], v["cpu_hours_needed"],
                                f"{fmt_num(v['margin'] * scale)}{unit}"):
             print(f"    to decide it: {words}")
+    if seq := res["sequential"]:
+        last = seq["looks"][-1]
+        print(f"seeds until decided (look {last['look']}, {len(last['seeds'])} seeds; the verdicts to read):")
+        for c in last["claims"].values():
+            cis = ", ".join(f"vs {x['alternative']} [{x['low'] * scale:+.2f}, {x['high'] * scale:+.2f}] {x['outcome']}"
+                            for x in c["comparisons"] if math.isfinite(x["low"]))
+            print(f"  {c['claim']}: {c['verdict']}" + (f" ({cis})" if cis else ""))
     print(f"wrote {res['results_csv']}")
     print(f"wrote {res['verdicts_json']}")
     print(f"wrote {res['report_md']}")

@@ -40,6 +40,8 @@ from mhalab.train.config import CONF_DIR
 
 log = logging.getLogger(__name__)
 
+RESULTS_CSV = "results.csv"  # a sweep's per-member table (write_report writes it; a continued sweep reads it back)
+
 # results.csv: the columns of the brief first, then extras.
 RESULT_COLUMNS = [
     "member", "overrides", "setting", "seed", "params", "best_val_acc", "test_acc", "epochs",
@@ -314,6 +316,13 @@ def collect_results(multirun_dir: str | Path, metric: str = DEFAULT_METRIC) -> p
     dirs = sorted(members + _find_missing_hydra_jobs(root, members),
                   key=lambda d: natural_key(str(d.relative_to(root))))
     df = pd.DataFrame([load_member(d, root, metric) for d in dirs])
+    if (root / RESULTS_CSV).is_file():  # a sweep continued from a copy: members whose dirs are gone count too
+        gone = _csv_rows(root / RESULTS_CSV, metric)
+        have = {_run_key(s, seed) for s, seed in zip(df["setting"], df["seed"])}
+        gone = gone[[not (root / str(m)).is_dir() and _run_key(s, seed) not in have
+                     for m, s, seed in zip(gone["member"], gone["setting"], gone["seed"])]]
+        if len(gone):
+            df = pd.concat([df, gone.assign(_csv=None)], ignore_index=True)
     df["setting"], common = without_common(df["setting"])
     df = df[RESULT_COLUMNS + ["_csv"]]
     df.attrs["common"] = common  # what every member was run with: the report says it once
@@ -324,10 +333,35 @@ def collect_results(multirun_dir: str | Path, metric: str = DEFAULT_METRIC) -> p
 CSV_MONITORED = {"val/acc": "best_val_acc", "val/loss": "best_val_loss"}
 
 
+def read_sweep(root: Path, metric: str = DEFAULT_METRIC) -> tuple[pd.DataFrame, bool]:
+    """(the results table, whether it came from results.csv alone): collect_results, or, for a dir whose members are
+    all gone (a copy under results/, or a sweep to be continued from one), its results.csv."""
+    try:
+        return collect_results(root, metric), False
+    except NoMembersError:
+        if not (root / RESULTS_CSV).is_file():
+            raise
+        return results_from_csv(root / RESULTS_CSV, metric), True
+
+
+def _run_key(setting: str, seed: Any) -> tuple[frozenset, float]:
+    """One run of a sweep, whatever the order its overrides were typed in: (the setting's words, the seed)."""
+    return frozenset(str(setting).split(" ")), to_float(seed)
+
+
 def results_from_csv(path: Path, metric: str = DEFAULT_METRIC) -> pd.DataFrame:
     """A results.csv (what write_report wrote) as collect_results gives it, for a sweep whose member dirs are gone
     (a copy under results/): settings recomputed from each row's overrides with conf/train.yaml's keys that do not
     change results, columns added since it was written left empty. metric: one the file holds (CSV_MONITORED)."""
+    df = _csv_rows(path, metric)
+    df["setting"], common = without_common(df["setting"])
+    df = df[RESULT_COLUMNS].assign(_csv=None)
+    df.attrs.update(common=common, from_csv=True)
+    return df
+
+
+def _csv_rows(path: Path, metric: str) -> pd.DataFrame:
+    """results_from_csv's rows, each setting whole (shared overrides not yet taken out)."""
     if metric not in CSV_MONITORED:
         raise NoMembersError(f"{path.parent} has no member dirs, and its {path.name} holds only "
                              f"{', '.join(CSV_MONITORED)}: metric={metric} needs the members' metrics")
@@ -342,10 +376,7 @@ def results_from_csv(path: Path, metric: str = DEFAULT_METRIC) -> pd.DataFrame:
     df["monitored"] = pd.to_numeric(df[CSV_MONITORED[metric]], errors="coerce")
     df["setting"] = [setting_of(str(o).split(" ")) if isinstance(o, str) and o else s
                      for o, s in zip(df["overrides"], df["setting"])]
-    df["setting"], common = without_common(df["setting"])
-    df = df[RESULT_COLUMNS].assign(_csv=None)
-    df.attrs.update(common=common, from_csv=True)
-    return df
+    return df[RESULT_COLUMNS]
 
 
 def without_common(settings: pd.Series) -> tuple[pd.Series, list[str]]:

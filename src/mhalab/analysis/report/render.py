@@ -10,6 +10,7 @@ import numpy as np
 import pandas as pd
 
 from mhalab.analysis.report import trained
+from mhalab.analysis.report.collect import RESULTS_CSV
 from mhalab.analysis.report.stats import (
     ALPHA,
     MIN_SEEDS,
@@ -25,7 +26,6 @@ from mhalab.analysis.report.stats import (
 from mhalab.analysis.report.values import finite, fmt_num, to_float
 from mhalab.analysis.report.verdicts import Verdict
 
-RESULTS_CSV = "results.csv"
 REPORT_MD = "report.md"
 
 
@@ -131,8 +131,9 @@ def p_cell(c: Comparison | None) -> str:
 
 
 def render_markdown(df: pd.DataFrame, summary: pd.DataFrame, verdicts: list[Verdict], metric: str,
-                    name: str, plots: dict[str, Path], margin: float) -> str:
-    """name: the sweep's (write_report's report_name); margin: in metric units (Verdict.margin)."""
+                    name: str, plots: dict[str, Path], margin: float, sequential: list[str] = ()) -> str:
+    """name: the sweep's (write_report's report_name); margin: in metric units (Verdict.margin); sequential: the
+    section of a sweep run until decided (sequential.markdown), which comes first."""
     scale, unit = points_scale(metric)
     digits = 2 if scale == 100 else 4
     ok = valid_mask(df)
@@ -153,6 +154,7 @@ def render_markdown(df: pd.DataFrame, summary: pd.DataFrame, verdicts: list[Verd
         L += [("Written from this dir's results.csv: its member dirs are gone"
                + (f"; the file predates {', '.join(missing)}, so whether each model {unchecked} is not checked"
                   if missing else "") + "."), ""]
+    L += list(sequential)
     L += ["## Scale measured", ""] + _scale_lines(df, metric, margin) + [""]
 
     L += ["## Per-setting results (mean ± std over seeds)", ""]

@@ -178,6 +178,7 @@ class GroupStats:
     n: int  # members with a value
     per_seed: pd.Series  # seed -> mean of the group's members at that seed
     wall_s: float = math.nan  # the members' wall time, summed: what a seed of this group costs, times n_seeds
+    rows: tuple = ()  # the members' index in the results table (which runs a sequential sweep extends)
 
     @property
     def n_seeds(self) -> int:
@@ -199,7 +200,7 @@ class GroupStats:
         per_seed = vals.groupby(sub["seed"]).mean().dropna() if len(sub) else pd.Series(dtype=float)
         wall = pd.to_numeric(sub["wall_time_s"], errors="coerce") if "wall_time_s" in sub else pd.Series(dtype=float)
         return cls(label=label, n=int(vals.notna().sum()), per_seed=per_seed,
-                   wall_s=float(wall.sum()) if wall.notna().any() else math.nan)
+                   wall_s=float(wall.sum()) if wall.notna().any() else math.nan, rows=tuple(sub.index))
 
 
 @dataclass
@@ -317,6 +318,17 @@ def holm(p: list[float]) -> list[float]:
     return out
 
 
+def verdict_of(outcomes: list[str]) -> str:
+    """A claim's verdict from its comparisons' outcomes (the rule of the module docstring)."""
+    if WORSE in outcomes:
+        return CONTRADICTED
+    if outcomes and all(o == BETTER for o in outcomes):
+        return SUPPORTED
+    if outcomes and all(o in (BETTER, EQUIVALENT) for o in outcomes):
+        return NO_DIFFERENCE
+    return INCONCLUSIVE
+
+
 def claim_verdict(claimed: GroupStats, alternatives: list[GroupStats], sign: float,
                   margin: float) -> tuple[str, str, list[Comparison]]:
     """(verdict, reason, comparisons) for a claim: the rule of the module docstring. margin in metric units."""
@@ -342,13 +354,14 @@ def claim_verdict(claimed: GroupStats, alternatives: list[GroupStats], sign: flo
         return INCONCLUSIVE, (f"fewer than {MIN_SEEDS} seeds in a compared group ({claimed.label}: "
                               f"{claimed.n_seeds}; {', '.join(untested)}): seed noise cannot be measured"), comps
     names = lambda outcome: ", ".join(c.alternative.label for c in comps if c.outcome == outcome)
-    if WORSE in outcomes:
-        return CONTRADICTED, f"worse than {names(WORSE)}", comps
-    if all(o == BETTER for o in outcomes):
-        return SUPPORTED, f"better than every alternative ({names(BETTER)})", comps
-    if all(o in (BETTER, EQUIVALENT) for o in outcomes):
+    verdict = verdict_of(outcomes)
+    if verdict == CONTRADICTED:
+        return verdict, f"worse than {names(WORSE)}", comps
+    if verdict == SUPPORTED:
+        return verdict, f"better than every alternative ({names(BETTER)})", comps
+    if verdict == NO_DIFFERENCE:
         better = f"; better than {names(BETTER)}" if BETTER in outcomes else ""
-        return NO_DIFFERENCE, f"within the margin of {names(EQUIVALENT)}{better}", comps
+        return verdict, f"within the margin of {names(EQUIVALENT)}{better}", comps
     crossing = ", ".join(c.alternative.label for c in comps if c.outcome == UNCLEAR and c.test != "none")
     few = f"fewer than {MIN_SEEDS} seeds for {', '.join(untested)}" if untested else ""
     return INCONCLUSIVE, "; ".join(x for x in (crossing and f"the interval crosses the margin against {crossing}",

@@ -1,0 +1,112 @@
+"""Seeds until decided: Hydra's basic sweeper, which with ``sweep.until_decided=true`` adds seeds in rounds to the
+groups of the claims still inconclusive and stops when each claim is decided or ``sweep.max_seeds`` is reached::
+
+    mhalab-train sweep=dropout data=sst2 sweep.until_decided=true sweep.max_seeds=20
+
+The sweep's own seeds (``seed: 0,1,2,3,4`` in the preset) are the first look. After each round the sweep is read
+by mhalab.analysis.report.sequential (repeated confidence intervals with O'Brien-Fleming-type alpha spending, which
+hold the error rate however many looks are taken); the next round runs ``sweep.round_seeds`` new seeds of the
+settings in the groups of undecided comparisons only (the claimed group and the alternatives not yet decided).
+Each look's seeds and outcome are written to ``<sweep dir>/sequential.json``, which mhalab-report reads. A member
+already finished is never run again, and the finished rows of a results.csv in the sweep dir whose member dirs are
+gone count as members (copy a committed results.csv into the dir to continue its sweep). The rounds are a function
+of the results, so a stopped sweep re-run with the same command replays its looks and goes on where it stopped.
+
+conf/train.yaml selects this sweeper for every multirun (``hydra/sweeper: until_decided``); with
+``sweep.until_decided=false`` (the default) it is Hydra's BasicSweeper, unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from omegaconf import OmegaConf
+
+from mhalab.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+def _key(overrides: list[str], seed: Any) -> tuple[frozenset, float]:
+    from mhalab.analysis.report.collect import _run_key, setting_of
+
+    return _run_key(setting_of(overrides), seed)
+
+
+class UntilDecidedSweeper(BasicSweeper):
+    """BasicSweeper, plus rounds of seeds until the sweep's claims are decided (the module docstring)."""
+
+    def sweep(self, arguments: list[str]) -> Any:
+        opts = self.config.get("sweep") or {}
+        if not opts.get("until_decided", False):
+            return super().sweep(arguments)
+        from mhalab.analysis.report import DEFAULT_METRIC
+        from mhalab.analysis.report.collect import NoMembersError, read_sweep
+        from mhalab.analysis.report.sequential import RECORD, planned_looks, read_looks
+        from mhalab.analysis.report.stats import CONTRADICTED, INCONCLUSIVE, NO_DIFFERENCE, SUPPORTED
+
+        decided = (SUPPORTED, CONTRADICTED, NO_DIFFERENCE)
+
+        parser = OverridesParser.create(config_loader=self.hydra_context.config_loader)
+        jobs = self.split_arguments(parser.parse_overrides([*self._parse_config(), *arguments]), None)[0]
+        seeds = sorted({int(o.split("=", 1)[1]) for job in jobs for o in job if o.startswith("seed=")})
+        max_seeds, round_seeds, alpha = int(opts.max_seeds), int(opts.round_seeds), float(opts.alpha)
+        if not seeds:
+            raise ConfigError("sweep.until_decided=true adds seeds to a sweep over seeds: give the first ones "
+                              "(hydra.sweeper.params.seed=0,1,2,3,4, as the sweep presets do)")
+        if not (len(seeds) >= 2 and round_seeds >= 1 and max_seeds > len(seeds) and 0 < alpha < 1):
+            raise ConfigError(f"sweep.max_seeds={max_seeds}, sweep.round_seeds={round_seeds}, sweep.alpha={alpha} "
+                              f"with {len(seeds)} first seeds: needs at least 2 first seeds, max_seeds above their "
+                              "number, round_seeds >= 1 and alpha in (0, 1)")
+        templates = {}  # a setting's key -> its job's overrides, seed last
+        for job in jobs:
+            rest = [o for o in job if not o.startswith("seed=")]
+            templates.setdefault(_key(rest, 0)[0], rest)
+        planned = planned_looks(len(seeds), round_seeds, max_seeds)
+        root = Path(str(self.config.hydra.sweep.dir))
+        root.mkdir(parents=True, exist_ok=True)
+        OmegaConf.save(self.config, root / "multirun.yaml")
+
+        active, looks, returns, job_idx = set(templates), [], [], 0
+        while True:
+            try:
+                df = read_sweep(root)[0]
+                done = {_key(str(o).split(" "), s) for o, s, st in zip(df["overrides"], df["seed"], df["status"])
+                        if st == "finished"}
+            except NoMembersError:  # a new sweep
+                done = set()
+            batch = [[*templates[k], f"seed={s}"] for k in templates if k in active for s in seeds
+                     if (k, float(s)) not in done]
+            if batch:
+                self.validate_batch_is_legal(batch)
+                results = self.launcher.launch(batch, initial_job_idx=job_idx)
+                for r in results:
+                    _ = r.return_value  # a failed member fails the sweep, as in BasicSweeper
+                job_idx += len(batch)
+                returns.append(results)
+            looks.append(list(seeds))
+            df = read_sweep(root)[0]
+            read = read_looks(df, looks, planned, alpha, DEFAULT_METRIC)
+            last = read[-1]
+            verdicts = [c["verdict"] for c in last["claims"].values()]
+            stop = INCONCLUSIVE not in verdicts or len(seeds) >= max_seeds
+            why = ("max_seeds" if INCONCLUSIVE in verdicts else "no claim" if not verdicts
+                   else "decided" if all(v in decided for v in verdicts) else "not decidable: see the report")
+            (root / RECORD).write_text(json.dumps(
+                {"design": {"first": planned[0], "round_seeds": round_seeds, "max_seeds": max_seeds, "alpha": alpha,
+                            "planned": list(planned), "metric": DEFAULT_METRIC},
+                 "looks": [{"seeds": x["seeds"], "verdicts": {k: c["verdict"] for k, c in x["claims"].items()}}
+                           for x in read],
+                 "stopped": why if stop else None}, indent=2))
+            log.info("look %d (%d seeds): %s", len(looks), len(seeds),
+                     "; ".join(f"{c['claim']}: {c['verdict']}" for c in last["claims"].values()) or "no claim")
+            if stop:
+                return returns
+            rows = df.loc[last["undecided_rows"]]
+            active = {_key(str(o).split(" "), 0)[0] for o in rows["overrides"]} & set(templates)
+            seeds = seeds + list(range(max(seeds) + 1, max(seeds) + 1 + min(round_seeds, max_seeds - len(seeds))))
