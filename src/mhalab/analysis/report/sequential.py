@@ -24,6 +24,7 @@ look's interval is therefore wrong with probability <= alpha, whenever the sweep
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 
 import numpy as np
@@ -49,7 +50,7 @@ def boundaries(fractions: tuple[float, ...], alpha: float) -> tuple[float, ...]:
     """Two-sided critical values c_k on the standard normal scale for looks at these increasing information
     fractions (0 < t_1 < ... <= 1): under no effect, P(|Z_j| < c_j for j < k and |Z_k| >= c_k) is the spending
     function's increment at look k."""
-    if any(b <= a for a, b in zip(fractions, fractions[1:])) or not 0 < fractions[0] or fractions[-1] > 1:
+    if any(b <= a for a, b in itertools.pairwise(fractions)) or not 0 < fractions[0] or fractions[-1] > 1:
         raise ValueError(f"information fractions must increase within (0, 1]: {fractions}")
     out: list[float] = []
     xs = dens = None  # the score S_k = Z_k sqrt(t_k) (variance t_k) on the continuation region: grid and density
