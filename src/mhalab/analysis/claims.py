@@ -98,6 +98,7 @@ def sweep_rows(data: str, preset: str, csv: Path, margin: float | None) -> tuple
         reads = sequential.read_looks(df, looks, tuple(design["planned"]), design["alpha"], METRIC, margin)
         last = {k: {**c, "look": reads[-1]["look"], "of": len(design["planned"])}
                 for k, c in reads[-1]["claims"].items()}
+        info["until_decided"] = f" sweep.until_decided=true sweep.max_seeds={design['max_seeds']}"
     rows = [ClaimRow(order, data, preset, v, info["scale"], info["cpu_h"], last.get(v.key))
             for order, v in enumerate(compute_verdicts(df, METRIC, margin)) if v.covered]
     return rows, info
@@ -192,7 +193,8 @@ def _sweep_table(infos: list[dict], baselines: Path | None) -> list[str]:
          "|---|---|---|---|---|---|---|---|"]
     for i in infos:
         best = "–" if i["best"] is None else f"{i['best'][0]}: {i['best'][1] * 100:.1f} / {i['best'][2] * 100:.1f}"
-        command = "–" if regime(i["data"]) else f"`mhalab-train sweep={i['preset']} data={i['data']}`"
+        command = ("–" if regime(i["data"]) else
+                   f"`mhalab-train sweep={i['preset']} data={i['data']}{i.get('until_decided', '')}`")
         L.append(f"| {i['data']} | {i['preset']} | {i['runs']} ({i['finished']}) | {i['cpu_h']:.2f} h | {best} | "
                  f"{_baseline(baselines, i['dataset'])} | {i['scale']} | {command} |")
     return L + ["", f"At the article's width on a GPU: {GPU_PRESETS}, then `mhalab-report` on the sweep dir.", ""]

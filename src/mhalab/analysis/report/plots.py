@@ -100,7 +100,9 @@ def plot_val_loss_curves(df: pd.DataFrame, path: Path) -> Path:
 
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylabel("val/loss")
-    ax.set_title("Validation loss, all members (one colour per setting; seeds share it)")
+    # a sweep continued from a results.csv has members whose logs are gone: the title says how many are drawn
+    shown = "all members" if len(curves) == len(df) else f"{len(curves)} of {len(df)} members (the others have no validation log here)"
+    ax.set_title(f"Validation loss, {shown}\n(one colour per setting; seeds share it)")
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path)
