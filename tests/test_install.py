@@ -57,8 +57,8 @@ def test_installed_package_is_the_wheel_with_its_configs(installed):
                        text=True, check=True)
     module, conf, checkout = p.stdout.split()
     assert Path(module).is_relative_to(installed["site"]) and checkout == "None"
-    assert sorted(q.name for q in Path(conf).glob("*.yaml")) == sorted(q.name for q in (REPO / "src/mhalab/conf").glob("*.yaml"))
-    assert len(list(Path(conf).rglob("*.yaml"))) == len(list((REPO / "src/mhalab/conf").rglob("*.yaml")))
+    assert sorted(q.name for q in Path(conf).glob("*.yaml")) == sorted(q.name for q in (REPO / "conf").glob("*.yaml"))
+    assert len(list(Path(conf).rglob("*.yaml"))) == len(list((REPO / "conf").rglob("*.yaml")))
 
 
 def test_installed_commands_train_evaluate_and_predict_from_another_directory(installed):

@@ -82,3 +82,32 @@ def test_library_names_are_the_documented_classes():
         swap_attention)
     assert sorted(mhalab.__all__) == sorted(["ScaledDotProductAttention", "MultiHeadAttention", "TransformerEncoderLayer",
                                              "TransformerEncoder", "SequenceClassifier", "swap_attention"])
+
+
+CARD = {"conf": "dir", "src": "dir", "scripts": "dir", "tests": "dir", "pyproject.toml": "file", "Makefile": "file",
+        "README.md": "file"}  # the design card's top level; docs/, results/ and the like sit beside it
+
+
+def test_the_top_level_is_the_design_cards():
+    from conftest import REPO
+
+    tracked = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
+    top = {p.split("/")[0]: "dir" if "/" in p else "file" for p in tracked}
+    assert {name: top.get(name) for name in CARD} == CARD
+    # conf/ is the configs' only copy: train.yaml and its groups there, no YAML left inside the package
+    assert (REPO / "conf" / "train.yaml").is_file() and (REPO / "conf" / "model" / "custom.yaml").is_file()
+    assert not [p for p in tracked if p.startswith("src/") and p.endswith(".yaml")]
+
+
+def test_the_packages_pyproject_ships_are_the_packages_under_src_and_conf():
+    """pyproject.toml lists its packages (conf/ is mapped into mhalab.conf, which a find cannot do): the list must
+    hold every package under src/, or an installed mhalab would miss one."""
+    import tomllib
+
+    from conftest import REPO
+    from setuptools import find_namespace_packages
+
+    tool = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert tool["package-dir"] == {"": "src", "mhalab.conf": "conf"}
+    found = set(find_namespace_packages(str(REPO / "src"))) - {"hydra_plugins"}  # a namespace others share
+    assert sorted(tool["packages"]) == sorted(found | {"mhalab.conf"})

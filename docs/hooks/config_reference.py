@@ -1,4 +1,4 @@
-"""MkDocs hook: the configuration reference, generated from the Hydra configs themselves (src/mhalab/conf).
+"""MkDocs hook: the configuration reference, generated from the Hydra configs themselves (conf).
 
 `<!-- config: groups -->` in a page becomes one table per config group (each option, the comment that opens its
 file, the default marked); `<!-- config: train.yaml -->` becomes that file's keys, their defaults and comments,
