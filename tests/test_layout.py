@@ -1,4 +1,4 @@
-"""The package's layout is its architecture: imports point down (nn <- model <- train <- analysis, data beside
+"""The package's layout is its architecture: imports point down (nn <- model <- train <- analysis <- checks, data beside
 model), the building blocks need nothing but torch, and importing the library changes nothing global."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import mhalab
 
 SRC = Path(mhalab.__file__).parent
 # a module may import its own layer and the ones below; errors.py is everyone's
-LAYER = {"errors": 0, "nn": 1, "model": 2, "mlm": 2, "data": 2, "train": 3, "analysis": 4, "cli": 5}
+LAYER = {"errors": 0, "nn": 1, "model": 2, "mlm": 2, "data": 2, "train": 3, "analysis": 4, "checks": 5, "cli": 6}
 TORCH_ONLY = ("nn", "model", "mlm")  # and the package root: what `import mhalab` loads
 FRAMEWORKS = ("lightning", "hydra", "omegaconf", "datasets", "matplotlib", "tokenizers", "pandas", "wandb")
 
