@@ -55,19 +55,20 @@ def markdown(df: pd.DataFrame) -> str:
     drop_pos = drop[~drop["comparison"].str.endswith("dropout=0")]
     lines = [
         "# Pairing by seed: the paired differences' variance against the unpaired", "",
-        "Written by `python scripts/pairing.py` from the committed sweeps' results.csv (every comparison of a covered "
-        "claim with a paired test over at least 3 shared seeds). Points of validation accuracy; ratio = variance of "
-        "the per-seed differences / (the two groups' seed variances summed): the share of seeds the paired design "
-        "needs for the same interval width.", "",
-        f"- Default-scale sweeps: {len(main)} comparisons; ratio median {q[0.5]:.2f} (quartiles {q[0.25]:.2f}-"
-        f"{q[0.75]:.2f}); pairing lowers the variance in {int((main['ratio'] < 1).sum())} of {len(main)}.",
-        f"- Presets whose cells have the same parameter shapes (dropout, heads: the same initial weights): median "
-        f"ratio {same['ratio'].median():.2f} over {len(same)}; presets that change shapes (dim, ff_ratio, head_dim: "
-        f"the draws part after the first differing layer): {other['ratio'].median():.2f} over {len(other)}.",
-        f"- Dropout: 0.1 against 0.2 / 0.3 (nested masks as well): median {drop_pos['ratio'].median():.2f} over "
-        f"{len(drop_pos)}; against 0 (no dropout stream to share): median "
-        f"{drop[drop['comparison'].str.endswith('dropout=0')]['ratio'].median():.2f} over "
-        f"{int(drop['comparison'].str.endswith('dropout=0').sum())}.", "",
+        ("Written by `python scripts/pairing.py` from the committed sweeps' results.csv (every comparison of a "
+         "covered claim with a paired test over at least 3 shared seeds). Points of validation accuracy; ratio = "
+         "variance of the per-seed differences / (the two groups' seed variances summed): the share of seeds the "
+         "paired design needs for the same interval width."), "",
+        (f"- Default-scale sweeps: {len(main)} comparisons; ratio median {q[0.5]:.2f} (quartiles {q[0.25]:.2f}-"
+         f"{q[0.75]:.2f}); pairing lowers the variance in {int((main['ratio'] < 1).sum())} of {len(main)}."),
+        (f"- Presets whose cells have the same parameter shapes (dropout, heads: the same initial weights): median "
+         f"ratio {same['ratio'].median():.2f} over {len(same)}; presets that change shapes (dim, ff_ratio, "
+         f"head_dim: the draws part after the first differing layer): {other['ratio'].median():.2f} over "
+         f"{len(other)}."),
+        (f"- Dropout: 0.1 against 0.2 / 0.3 (nested masks as well): median {drop_pos['ratio'].median():.2f} over "
+         f"{len(drop_pos)}; against 0 (no dropout stream to share): median "
+         f"{drop[drop['comparison'].str.endswith('dropout=0')]['ratio'].median():.2f} over "
+         f"{int(drop['comparison'].str.endswith('dropout=0').sum())}."), "",
         "| data set | preset | comparison | seeds | sd of differences, paired | unpaired | ratio |",
         "|---|---|---|---|---|---|---|",
     ]

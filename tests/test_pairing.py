@@ -45,7 +45,7 @@ def test_dropout_masks_of_one_seed_are_nested_across_rates(tmp_path, toy_data_di
     for p in (0.1, 0.3):
         model = _model(tmp_path, toy_data_dir, f"dropout={p}").train()
         seen = []
-        hooks = [m.register_forward_hook(lambda m, i, o: seen.append((o == 0) & (i[0] != 0)))
+        hooks = [m.register_forward_hook(lambda m, i, o, seen=seen: seen.append((o == 0) & (i[0] != 0)))
                  for m in model.modules() if isinstance(m, nn.Dropout)]
         torch.manual_seed(11)
         model(ids)

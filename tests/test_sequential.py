@@ -162,3 +162,25 @@ def test_until_decided_outside_its_sweeper_is_refused_in_one_line(tmp_path, toy_
         "error: sweep.until_decided=true is read by the until_decided sweeper, which this run does not use: run a "
         "sweep preset with -m (sweep=dropout ...), or add -m hydra/sweeper=until_decided.")
     assert "Traceback" not in proc.stderr
+
+
+def test_the_claims_table_reads_a_sweep_run_until_decided_from_its_repeated_intervals(tmp_path):
+    """mhalab-claims on a sweep folder with a sequential.json: the verdict and interval of its last look, not the
+    fixed-sample test of all its seeds (which does not hold its level after looking)."""
+    from mhalab.analysis.claims import render
+
+    folder = tmp_path / "sst2" / "dropout"
+    folder.mkdir(parents=True)
+    (folder / "results.csv").write_text((REPO / "results/sweeps/sst2/dropout/results.csv").read_text())
+    plain = render(tmp_path, baselines=None)
+    assert "| **inconclusive** | +0.8 [+0.1, +1.5] vs dropout=0.2 |" in plain  # the fixed-sample row
+    (folder / "sequential.json").write_text(json.dumps(
+        {"design": {"first": 5, "round_seeds": 2, "max_seeds": 20, "alpha": 0.05, "planned": list(LOOKS)},
+         "looks": [{"seeds": [0, 1, 2, 3, 4]}]}))
+    df = pd.read_csv(folder / "results.csv")
+    look = read_looks(df, [[0, 1, 2, 3, 4]], LOOKS, 0.05, "val/acc")[0]["claims"]["dropout_0.1"]
+    closest = min(look["comparisons"], key=lambda c: c["effect"])
+    table = render(tmp_path, baselines=None)
+    assert (f"| **inconclusive** (seeds until decided: look 1 of 9) | {closest['effect'] * 100:+.1f} "
+            f"[{closest['low'] * 100:+.1f}, {closest['high'] * 100:+.1f}] repeated CI vs dropout=0.2 |") in table
+    assert closest["high"] - closest["low"] > 0.1  # 5 of 20 seeds: the first look's interval is wide

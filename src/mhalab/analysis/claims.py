@@ -19,6 +19,7 @@ from pathlib import Path
 import pandas as pd
 
 from mhalab.analysis.options import doc, emit, parse, split_dir
+from mhalab.analysis.report import sequential
 from mhalab.analysis.report.render import RESULTS_CSV, p_cell
 from mhalab.analysis.report.stats import (
     margin_units,
@@ -67,6 +68,7 @@ class ClaimRow:
     verdict: Verdict
     scale: str
     cpu_h: float  # the sweep's cost: its members' wall time summed
+    sequential: dict | None = None  # a sweep run until decided: the claim at its last look (sequential.read_looks)
 
 
 def regime(data: str) -> str:
@@ -90,7 +92,13 @@ def sweep_rows(data: str, preset: str, csv: Path, margin: float | None) -> tuple
             "cpu_h": wall / 3600, "scale": _scale(df), "dataset": names.iloc[0] if len(names) else data,
             "best": None if best is None else (_without_data(best["setting"]), best["best_val_acc_mean"],
                                                best["test_acc_mean"])}
-    rows = [ClaimRow(order, data, preset, v, info["scale"], info["cpu_h"])
+    last = {}
+    if record := sequential.read_record(csv.parent):  # seeds until decided: its looks give the verdicts to read
+        design, looks = record
+        reads = sequential.read_looks(df, looks, tuple(design["planned"]), design["alpha"], METRIC, margin)
+        last = {k: {**c, "look": reads[-1]["look"], "of": len(design["planned"])}
+                for k, c in reads[-1]["claims"].items()}
+    rows = [ClaimRow(order, data, preset, v, info["scale"], info["cpu_h"], last.get(v.key))
             for order, v in enumerate(compute_verdicts(df, METRIC, margin)) if v.covered]
     return rows, info
 
@@ -121,7 +129,10 @@ def render(root: Path, margin: float | None = None, baselines: Path | None = Non
             "claimed − the closest alternative (its best competitor), in points of validation accuracy, with its 95% CI. "
             "Detectable = the smallest true effect a two-sided 5% test of that comparison finds with 80% power, from its "
             "observed seed variance (stats.detectable_effect; at 5% / m for a claim with m alternatives, Holm's strictest "
-            "step): an inconclusive row rules out no effect smaller than that.")
+            "step): an inconclusive row rules out no effect smaller than that. To decide = the seeds per group that "
+            "would give every unclear comparison 80% power at the margin, and their CPU hours (stats.seeds_needed). "
+            "A sweep run until decided (`sweep.until_decided=true`) is read from its repeated confidence intervals "
+            "at its last look (mhalab.analysis.report.sequential), which hold the error rate over its looks.")
     L = ["# The article's claims, tested", "", rule, ""]
     for label in sorted({regime(r.data) for r in rows}):  # the data sets' own scale first, then other regimes
         if label:
@@ -137,15 +148,24 @@ def render(root: Path, margin: float | None = None, baselines: Path | None = Non
 def claim_table(rows: list[ClaimRow], scale: float) -> list[str]:
     """The claim x sweep rows, grouped by claim."""
     L = [("| claim | data set | preset | verdict | effect [95% CI] vs closest alternative | detectable (80%) | "
-          "p (Holm) | seeds | design | scale | cost (CPU h) |"),
-         "|---|---|---|---|---|---|---|---|---|---|---|"]
+          "p (Holm) | seeds | to decide (80% power) | design | scale | cost (CPU h) |"),
+         "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda x: x.order):  # stable: data sets and presets stay sorted within a claim
         v, h = r.verdict, r.verdict.headline
-        eff = "–"
+        eff, verdict, plan = "–", f"**{v.verdict}**", "–"
         if h is not None and finite(h.effect):
             ci = (f" [{h.ci_low * scale:+.1f}, {h.ci_high * scale:+.1f}]" if finite(h.ci_low) else "")
             at = f" at {v.tuned[h.alternative.label]}" if h.alternative.label in v.tuned else ""
             eff = f"{h.effect * scale:+.1f}{ci} vs {h.alternative.label}{at}"
+        if finite(v.seeds_needed):
+            plan = f"~{int(v.seeds_needed)} seeds" + (f", {v.cpu_hours_needed:.1f} h" if finite(v.cpu_hours_needed)
+                                                       else "")
+        if (seq := r.sequential) and seq["comparisons"]:  # the repeated interval, at the look the sweep stopped
+            c = min(seq["comparisons"], key=lambda x: x["effect"])
+            verdict = f"**{seq['verdict']}** (seeds until decided: look {seq['look']} of {seq['of']})"
+            eff = (f"{c['effect'] * scale:+.1f} [{c['low'] * scale:+.1f}, {c['high'] * scale:+.1f}] repeated CI "
+                   f"vs {c['alternative']}")
+            h, plan = None, "–"  # no fixed-sample p or power after looking
         averaged = [x for x in v.also_varies if x not in v.confounded]
         design = "; ".join([*(["confounded with " + ", ".join(v.confounded)] if v.confounded else []),
                             *(["averaged over " + ", ".join(averaged)] if averaged else [])]) or "one factor"
@@ -154,7 +174,7 @@ def claim_table(rows: list[ClaimRow], scale: float) -> list[str]:
         detectable = f"{h.detectable * scale:.1f}" if h is not None and finite(h.detectable) else "–"
         seeds = v.claimed.n_seeds if v.claimed else 0
         L.append(f"| {v.claim} | {r.data} | [{r.preset}]({r.data}/{r.preset}/report.md) | "
-                 f"**{v.verdict}** | {eff} | {detectable} | {p_cell(h)} | {seeds} | {design} | {r.scale} | "
+                 f"{verdict} | {eff} | {detectable} | {p_cell(h)} | {seeds} | {plan} | {design} | {r.scale} | "
                  f"{r.cpu_h:.2f} |")
     return L + [""]
 
