@@ -103,7 +103,6 @@ def test_the_packages_pyproject_ships_are_the_packages_under_src_and_conf():
     """pyproject.toml lists its packages (conf/ is mapped into mhalab.conf, which a find cannot do): the list must
     hold every package under src/, or an installed mhalab would miss one."""
     import tomllib
-
     from conftest import REPO
     from setuptools import find_namespace_packages
 
