@@ -85,6 +85,7 @@ class Classifier(L.LightningModule):
         compile: bool = False,
         checkpoint_extras: dict | None = None,
         label_names: list[str] | None = None,
+        encoder: dict | None = None,
     ):
         super().__init__()
         check_schedule(schedule)
@@ -92,8 +93,10 @@ class Classifier(L.LightningModule):
         if label_names is not None and len(label_names) != num_classes:
             raise ValueError(f"label_names has {len(label_names)} names ({list(label_names)}) for "
                              f"num_classes={num_classes}; give one name per class, or none.")
-        self.save_hyperparameters(ignore=["checkpoint_extras"])  # the extras have their own entry, below
+        self.save_hyperparameters(ignore=["checkpoint_extras", "encoder"])  # the extras have their own entry, below
         self.model = SequenceClassifier(vocab_size=vocab_size, num_classes=num_classes, pad_id=pad_id, **model)
+        if encoder is not None:  # a pretrained start (mhalab.train.pretrain.stage): every weight but the head
+            self.model.load_encoder(encoder)
         # one sequence of max_len real tokens: the model summary counts each module's FLOPs on it (its FLOPs column).
         # Not for model=official: in eval PyTorch's layers pass nested tensors, whose shapes Lightning's summary
         # cannot read (it would fail); its FLOPs column reads 0 there.

@@ -221,10 +221,9 @@ def build(cfg: DictConfig, encoder: pretrain.Encoder | None = None) -> tuple[L.L
     module = Classifier(
         model=OmegaConf.to_container(cfg.model, resolve=True), vocab_size=dm.vocab_size,
         num_classes=dm.num_classes, label_names=dm.label_names, pad_id=dm.pad_id, compile=bool(cfg.compile),
-        checkpoint_extras=extras, **OmegaConf.to_container(cfg.optim, resolve=True),
+        checkpoint_extras=extras, encoder=encoder.state if encoder else None,
+        **OmegaConf.to_container(cfg.optim, resolve=True),
     )
-    if encoder:
-        module.model.load_encoder(encoder.state)
     return dm, module
 
 
