@@ -22,7 +22,7 @@ from mhalab.data import Collate
 from mhalab.data.subset import SubsetDataModule
 from mhalab.errors import RunDirError
 from mhalab.train.callbacks import PerfMonitor
-from mhalab.train.memory import peak_memory_mb, reset_peak_memory
+from mhalab.train.callbacks.memory import peak_memory_mb, reset_peak_memory
 from mhalab.train.module import Classifier
 
 IMDB = SHARED_DATA / "imdb" / "train.jsonl.gz"

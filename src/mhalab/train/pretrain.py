@@ -44,9 +44,9 @@ from mhalab.model import SequenceClassifier
 from mhalab.train.callbacks import GracefulStop, ResumeState
 from mhalab.train.checkpoint import SHAPE_KEYS
 from mhalab.train.config import datamodule, setup_process
-from mhalab.train.csv_logger import ContinuedCSVLogger
-from mhalab.train.curves import loss_curves, masked_lm_finals
+from mhalab.train.loggers.csv_logger import ContinuedCSVLogger
 from mhalab.train.optimizer import adamw_with_schedule, upgrade_article_keys
+from mhalab.train.record.curves import loss_curves, masked_lm_finals
 
 log = logging.getLogger("mhalab")
 

@@ -1,6 +1,6 @@
 """One training run: validate the config, build data and model, fit, test the best checkpoint, write results.
 
-Every run writes into its own Hydra output dir, which one live process holds (mhalab.train.rundir):
+Every run writes into its own Hydra output dir, which one live process holds (mhalab.train.record.rundir):
   metrics.json      status, best (the best checkpoint: val/*, test/*) and last_epoch (val/*) metrics, params,
                     wall time, throughput, the resolved config and data source, the provenance (git commit,
                     versions, device), the label names and per-class results (`classes`), and one entry per
@@ -32,15 +32,16 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from mhalab.errors import RunDirError, UserError
-from mhalab.train import checkpoint, experiment, extent, pretrain, record, rundir
+from mhalab.train import checkpoint, pretrain, record
 from mhalab.train.callbacks import GracefulStop, LogEveryEpoch, ResumeState
+from mhalab.train.callbacks.memory import peak_memory_mb, reset_peak_memory
 from mhalab.train.config import datamodule, instantiate, setup_process, validate
 from mhalab.train.console import quiet, summary
 from mhalab.train.loggers import finish
-from mhalab.train.memory import peak_memory_mb, reset_peak_memory
 from mhalab.train.module import Classifier
-from mhalab.train.provenance import device, provenance
-from mhalab.train.rundir import RunLock
+from mhalab.train.record import experiment, extent, rundir
+from mhalab.train.record.provenance import device, provenance
+from mhalab.train.record.rundir import RunLock
 
 log = logging.getLogger("mhalab")
 RESUMABLE = ("interrupted", "dead")  # statuses whose run continues from last.ckpt when run again
@@ -178,7 +179,7 @@ def _run(cfg: DictConfig, out: Path) -> float:
         attempt.update(status="finished", wall_time_s=time.time() - t0)
         rec.update(status="finished", **_totals(attempts))
         record.write(out, rec)
-        from mhalab.train.curves import loss_curves
+        from mhalab.train.record.curves import loss_curves
 
         if (out / "logs" / "metrics.csv").exists():
             loss_curves(out / "logs" / "metrics.csv", out / "loss_curves.png")
@@ -332,7 +333,7 @@ def _write_class_reports(out: Path, module: Classifier, rec: dict, tested: bool)
     else the last validation's."""
     if not rec:  # ranks other than 0 write nothing
         return
-    from mhalab.train.class_report import confusion_png
+    from mhalab.train.record.class_report import confusion_png
 
     rec["label_names"] = list(module.label_names)
     rec["classes"] = {"of": "best checkpoint" if tested else "last validation", **module.class_reports}
