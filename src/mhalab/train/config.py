@@ -15,14 +15,14 @@ from mhalab.errors import ConfigError
 
 __all__ = ["ConfigError", "register_resolvers", "validate"]
 
+# the Hydra configs: the package's conf/, in a checkout a link to the top-level conf/ (their only copy)
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+
 def source_checkout() -> Path | None:
     """The checkout this code runs from (`python train.py`, an editable install), or None once installed."""
     root = Path(__file__).resolve().parents[3]  # <root>/src/mhalab/train/config.py
     return root if (root / "pyproject.toml").is_file() and (root / "src" / "mhalab").is_dir() else None
 
-
-# The Hydra configs: <checkout>/conf, which a wheel ships as the package's mhalab/conf (pyproject.toml's package-dir)
-CONF_DIR = (source_checkout() or Path(__file__).resolve().parents[1]) / "conf"
 
 
 def default_data_dir() -> str:
