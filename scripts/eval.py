@@ -2,11 +2,11 @@
 
     python scripts/eval.py ckpt_path=outputs/<run> [split=test] [data_dir=DIR] [batch_size=N] [out=m.json]
 
-The work is mhalab.train.evaluate's; the options are conf/eval.yaml's (Hydra key=value).
+The work is mhalab.train.commands.evaluate's; the options are conf/eval.yaml's (Hydra key=value).
 """
 
 from mhalab.cli import evaluate as main
-from mhalab.train.evaluate import evaluate  # noqa: F401  (the library function, importable from here too)
+from mhalab.train.commands.evaluate import evaluate  # noqa: F401  (the library function, importable from here too)
 
 if __name__ == "__main__":
     main()

@@ -2,12 +2,12 @@
 
     python scripts/gpu_bundle.py                    # make gpu-bundle
     python scripts/gpu_bundle.py --train-rows 20000
-What is in it and why: src/mhalab/analysis/gpu_check.py.
+What is in it and why: src/mhalab/checks/gpu_check.py.
 """
 
 import sys
 
-from mhalab.analysis.gpu_check import bundle_main
+from mhalab.checks.gpu_check import bundle_main
 
 if __name__ == "__main__":
     sys.exit(bundle_main(sys.argv[1:]))

@@ -2,7 +2,7 @@
 
     python3 scripts/gpu_check.py          # there, after `make gpu-bundle` here and carry [".gpu"]
     python3 scripts/gpu_check.py --cpu    # the dry run, here
-How to use it, what it runs and what comes back: src/mhalab/analysis/gpu_check.py (`--help`).
+How to use it, what it runs and what comes back: src/mhalab/checks/gpu_check.py (`--help`).
 """
 
 import sys
@@ -12,7 +12,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 if str(SRC) not in sys.path:  # the bare GPU machine has mhalab's source, not an install of it
     sys.path.insert(0, str(SRC))
 
-from mhalab.analysis.gpu_check import main
+from mhalab.checks.gpu_check import main
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

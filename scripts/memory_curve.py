@@ -64,7 +64,7 @@ def parts(argv: list[str]) -> None:
 
     a = dataclasses.asdict(parse(PartsConfig, argv, "python scripts/memory_curve.py parts", __doc__))
     reexec_with_allocator()  # as mhalab-train: the process starts again with mimalloc preloaded
-    from mhalab.train.memory import current_rss_mb
+    from mhalab.train.callbacks.memory import current_rss_mb
 
     rows = [("python", current_rss_mb(), "")]
     import lightning as L
@@ -111,7 +111,7 @@ def loop(argv: list[str]) -> None:
 
     from mhalab.model import SequenceClassifier
     from mhalab.nn.varlen import SeqLens
-    from mhalab.train.memory import current_rss_mb
+    from mhalab.train.callbacks.memory import current_rss_mb
 
     a = dataclasses.asdict(parse(LoopConfig, argv, "python scripts/memory_curve.py loop", __doc__))
     torch.set_num_threads(1)

@@ -39,7 +39,7 @@ def pytest_collection_modifyitems(items) -> None:
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep pytest's order
 
 
-CONF = REPO / "src" / "mhalab" / "conf"
+CONF = REPO / "conf"
 SHARED_DATA = REPO.parent / "shared" / "data"
 
 TOL = 1e-5  # float32 equality with PyTorch's modules

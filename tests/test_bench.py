@@ -10,10 +10,10 @@ import pytest
 import torch
 from conftest import close
 
-from mhalab.analysis.bench import main
-from mhalab.analysis.bench.cases import MODES, MODULES, VARIANTS, build, padding_mask
-from mhalab.analysis.bench.config import BenchConfig, parse_config
-from mhalab.analysis.bench.measure import peak_bytes
+from mhalab.checks.bench import main
+from mhalab.checks.bench.cases import MODES, MODULES, VARIANTS, build, padding_mask
+from mhalab.checks.bench.config import BenchConfig, parse_config
+from mhalab.checks.bench.measure import peak_bytes
 from mhalab.nn.attention import MultiHeadAttention
 
 ONE_THREAD = True  # tiny tensors: see conftest.one_thread

@@ -34,6 +34,7 @@ from hydra.types import RunMode
 from lightning.pytorch.callbacks import Callback, ProgressBar
 from omegaconf import OmegaConf, open_dict
 
+from mhalab.train import pretrain
 from mhalab.train.config import instantiate, validate
 from mhalab.train.loggers import prepare_wandb
 from mhalab.train.run import build
@@ -332,7 +333,7 @@ def test_option_composes_builds_and_trains_one_batch(group, option, tmp_path, to
     cfg, real, caps = _compose_case(group, option, tmp_path / "out", toy_data_dir, cache)
     validate(cfg)
     t0 = time.perf_counter()
-    dm, module = build(cfg)
+    dm, module = build(cfg, pretrain.stage(cfg))  # the pretrained start, when the option asks for one
     build_s = time.perf_counter() - t0
     _check_model(cfg, dm, module, real)
     step = _train_one_batch(cfg, dm, module)

@@ -1,4 +1,4 @@
-"""loss_curves.png (mhalab.train.curves): every logged training loss visible, an EMA that follows it with its window
+"""loss_curves.png (mhalab.train.record.curves): every logged training loss visible, an EMA that follows it with its window
 in the legend, and each validation marked."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from mhalab.train.curves import ema, loss_curves, loss_figure
+from mhalab.train.record.curves import ema, loss_curves, loss_figure
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -54,7 +54,7 @@ def test_the_hooks_flag_an_undocumented_function_and_an_option_without_its_comme
 
 def test_configuration_page_lists_every_option_of_every_group(site):
     html = (site / "configuration" / "index.html").read_text()
-    conf = REPO / "src" / "mhalab" / "conf"
+    conf = REPO / "conf"
     for option in conf.rglob("*.yaml"):
         if option.parent != conf:
             assert f"<code>{option.stem}</code>" in html, option

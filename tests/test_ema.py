@@ -1,5 +1,5 @@
 """callbacks=ema: the weights' exponential moving average is what a run validates, checkpoints, tests and
-resumes; checked against the formula in mhalab.train.ema, step by step."""
+resumes; checked against the formula in mhalab.train.callbacks.ema, step by step."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 from conftest import compose_train
 from test_faults import _run
 
-from mhalab.train.evaluate import evaluate
+from mhalab.train.commands.evaluate import evaluate
 from mhalab.train.run import run
 
 DECAY = 0.6  # the warm-up (1 + t) / (10 + t) passes 0.6 at t = 13.5: a 2-epoch toy run (26 steps) sees both

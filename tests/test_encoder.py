@@ -283,7 +283,7 @@ def test_compare_passes_and_covers_every_mask_kind():
 
     from rich.console import Console
 
-    from mhalab.analysis import compare
+    from mhalab.checks import compare
 
     buf = io.StringIO()
     worst = compare.run(Console(file=buf, width=120))
@@ -302,7 +302,7 @@ def test_compare_command_exits_1_above_its_tolerance_and_2_on_an_unknown_option(
     import sys
     from pathlib import Path
 
-    from mhalab.analysis import compare
+    from mhalab.checks import compare
 
     script = Path(__file__).resolve().parents[1] / "scripts" / "compare_with_official.py"
     proc = fork_server.run([sys.executable, str(script), "tol=1e-9"], env=dict(os.environ, PYTHONHASHSEED="0"),

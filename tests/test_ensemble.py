@@ -19,9 +19,9 @@ from sklearn.metrics import accuracy_score, f1_score
 
 from mhalab.errors import ConfigError
 from mhalab.train import checkpoint
-from mhalab.train.ensemble import member_names, members, score
-from mhalab.train.evaluate import evaluate
-from mhalab.train.predict import probabilities
+from mhalab.train.commands.ensemble import member_names, members, score
+from mhalab.train.commands.evaluate import evaluate
+from mhalab.train.commands.predict import probabilities
 from mhalab.train.run import run
 
 

@@ -16,8 +16,9 @@ import yaml
 from conftest import REPO, compose_train
 from hydra import compose, initialize_config_dir
 
-from mhalab.train import loggers, provenance
+from mhalab.train import loggers
 from mhalab.train.config import CONF_DIR
+from mhalab.train.record import provenance
 from mhalab.train.run import run
 
 
@@ -108,9 +109,9 @@ def test_a_missing_logger_package_is_one_line_naming_the_extra(monkeypatch):
     monkeypatch.setattr(loggers.importlib.util, "find_spec", lambda m: None if m == "wandb" else real(m))
     with pytest.raises(loggers_error(), match=r"^logger=wandb needs the wandb package, which is not installed; "
                                               r"pip install 'mhalab\[wandb\]'"):
-        loggers.check_installed({"csv": {"_target_": "mhalab.train.csv_logger.ContinuedCSVLogger"},
+        loggers.check_installed({"csv": {"_target_": "mhalab.train.loggers.csv_logger.ContinuedCSVLogger"},
                                  "wandb": {"_target_": "lightning.pytorch.loggers.WandbLogger"}})
-    loggers.check_installed({"csv": {"_target_": "mhalab.train.csv_logger.ContinuedCSVLogger"}})  # no error
+    loggers.check_installed({"csv": {"_target_": "mhalab.train.loggers.csv_logger.ContinuedCSVLogger"}})  # no error
 
 
 def loggers_error():

@@ -27,7 +27,8 @@ import pytest
 import torch
 from conftest import REPO
 
-from mhalab.train import checkpoint, record, rundir
+from mhalab.train import checkpoint, record
+from mhalab.train.record import rundir
 
 COMMON = ["max_epochs=2", "seed=11", "test_after_fit=false", "dropout=0.1", "trainer.log_every_n_steps=5",
           "callbacks.step_checkpoint.every_n_train_steps=10"]

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from mhalab.analysis import gpu_check as gc
-from mhalab.analysis.bench.cases import flops as bench_flops
-from mhalab.analysis.bench.cases import padding_mask
+from mhalab.checks import gpu_check as gc
+from mhalab.checks.bench.cases import flops as bench_flops
+from mhalab.checks.bench.cases import padding_mask
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -52,13 +52,15 @@ def _run(installed: dict, command: str, *args: str, stdin: str | None = None) ->
 
 
 def test_installed_package_is_the_wheel_with_its_configs(installed):
-    code = "import mhalab, mhalab.train.config as c; print(mhalab.__file__, c.CONF_DIR, c.source_checkout())"
+    code = ("import mhalab, mhalab.train.config as c, hydra_plugins.mhalab_sweeper.until_decided_sweeper as s; "
+            "print(mhalab.__file__, c.CONF_DIR, c.source_checkout(), s.__file__)")
     p = subprocess.run([sys.executable, "-c", code], cwd=installed["cwd"], env=installed["env"], capture_output=True,
                        text=True, check=True)
-    module, conf, checkout = p.stdout.split()
+    module, conf, checkout, sweeper = p.stdout.split()
     assert Path(module).is_relative_to(installed["site"]) and checkout == "None"
-    assert sorted(q.name for q in Path(conf).glob("*.yaml")) == sorted(q.name for q in (REPO / "src/mhalab/conf").glob("*.yaml"))
-    assert len(list(Path(conf).rglob("*.yaml"))) == len(list((REPO / "src/mhalab/conf").rglob("*.yaml")))
+    assert Path(sweeper).is_relative_to(installed["site"])  # the until_decided sweeper ships as Hydra's plugin
+    assert sorted(q.name for q in Path(conf).glob("*.yaml")) == sorted(q.name for q in (REPO / "conf").glob("*.yaml"))
+    assert len(list(Path(conf).rglob("*.yaml"))) == len(list((REPO / "conf").rglob("*.yaml")))
 
 
 def test_installed_commands_train_evaluate_and_predict_from_another_directory(installed):

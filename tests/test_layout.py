@@ -1,4 +1,4 @@
-"""The package's layout is its architecture: imports point down (nn <- model <- train <- analysis, data beside
+"""The package's layout is its architecture: imports point down (nn <- model <- train <- analysis <- checks, data beside
 model), the building blocks need nothing but torch, and importing the library changes nothing global."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import mhalab
 
 SRC = Path(mhalab.__file__).parent
 # a module may import its own layer and the ones below; errors.py is everyone's
-LAYER = {"errors": 0, "nn": 1, "model": 2, "mlm": 2, "data": 2, "train": 3, "analysis": 4, "cli": 5}
+LAYER = {"errors": 0, "nn": 1, "model": 2, "mlm": 2, "data": 2, "train": 3, "analysis": 4, "checks": 5, "cli": 6}
 TORCH_ONLY = ("nn", "model", "mlm")  # and the package root: what `import mhalab` loads
 FRAMEWORKS = ("lightning", "hydra", "omegaconf", "datasets", "matplotlib", "tokenizers", "pandas", "wandb")
 
@@ -82,3 +82,30 @@ def test_library_names_are_the_documented_classes():
         swap_attention)
     assert sorted(mhalab.__all__) == sorted(["ScaledDotProductAttention", "MultiHeadAttention", "TransformerEncoderLayer",
                                              "TransformerEncoder", "SequenceClassifier", "swap_attention"])
+
+
+CARD = {"conf": "dir", "src": "dir", "scripts": "dir", "tests": "dir", "pyproject.toml": "file", "Makefile": "file",
+        "README.md": "file"}  # the design card's top level; docs/, results/ and the like sit beside it
+
+
+def test_the_top_level_is_the_design_cards():
+    from conftest import REPO
+
+    tracked = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
+    top = {p.split("/")[0]: "dir" if "/" in p else "file" for p in tracked}
+    assert {name: top.get(name) for name in CARD} == CARD
+    # conf/ is the configs' only copy: train.yaml and its groups there, no YAML left inside the package
+    assert (REPO / "conf" / "train.yaml").is_file() and (REPO / "conf" / "model" / "custom.yaml").is_file()
+    assert not [p for p in tracked if p.startswith("src/") and p.endswith(".yaml")]
+
+
+def test_the_package_reaches_the_top_level_conf_through_a_link_and_the_wheel_ships_it():
+    """src/mhalab/conf is a link to conf/ (so a checkout, an editable install and `python train.py` read the one copy),
+    and the wheel's file list holds every YAML of conf/ under mhalab/conf (tests/test_install.py installs it)."""
+    from conftest import REPO
+
+    from mhalab.train.config import CONF_DIR
+
+    link = REPO / "src" / "mhalab" / "conf"
+    assert link.is_symlink() and link.resolve() == (REPO / "conf").resolve()
+    assert CONF_DIR.resolve() == (REPO / "conf").resolve()

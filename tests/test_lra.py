@@ -22,7 +22,7 @@ from mhalab.data import Collate
 from mhalab.data.subset import SubsetDataModule
 from mhalab.errors import RunDirError
 from mhalab.train.callbacks import PerfMonitor
-from mhalab.train.memory import peak_memory_mb, reset_peak_memory
+from mhalab.train.callbacks.memory import peak_memory_mb, reset_peak_memory
 from mhalab.train.module import Classifier
 
 IMDB = SHARED_DATA / "imdb" / "train.jsonl.gz"
@@ -96,7 +96,7 @@ def test_sweep_presets_compose(tmp_path):
     def cfg_for(*overrides):
         return compose("train", overrides=[*overrides, f"paths.output_dir={tmp_path}"], return_hydra_config=True)
 
-    with initialize_config_dir(config_dir=str(Path(__file__).parents[1] / "src" / "mhalab" / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(Path(__file__).parents[1] / "conf"), version_base="1.3"):
         for data, max_len in (("listops", 512), ("imdb_bytes", 1024)):
             for kind in ("full", "performer"):
                 cfg = cfg_for("sweep=lra", f"data={data}", f"model.attention={kind}")

@@ -26,11 +26,11 @@ from PIL import Image
 from torchmetrics.classification import MulticlassF1Score
 
 from mhalab.data import Collate
-from mhalab.train import throughput
-from mhalab.train.class_report import build_report, confusion_png, markdown
+from mhalab.train.callbacks import throughput
+from mhalab.train.callbacks.throughput import RealTokenThroughput, batch_tokens
 from mhalab.train.module import Classifier, _per_class_metrics
+from mhalab.train.record.class_report import build_report, confusion_png, markdown
 from mhalab.train.run import build
-from mhalab.train.throughput import RealTokenThroughput, batch_tokens
 
 ONE_THREAD = True  # conftest.one_thread
 LABELS = ["neg", "pos"]
@@ -122,7 +122,7 @@ def test_confusion_png_is_a_valid_png_that_grows_with_the_class_count(tmp_path):
 
 
 def test_importing_class_report_loads_no_matplotlib():
-    code = "import sys, mhalab.train.class_report; sys.exit('matplotlib' in sys.modules)"
+    code = "import sys, mhalab.train.record.class_report; sys.exit('matplotlib' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
 
 

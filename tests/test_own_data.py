@@ -249,7 +249,7 @@ def test_bad_own_files_settings_are_one_line(tmp_path, monkeypatch, kwargs, erro
 
 def test_data_files_run_trains_3_classes_with_sorted_names_and_evaluates_from_another_dir(tmp_path, monkeypatch):
     from mhalab.train import checkpoint
-    from mhalab.train.evaluate import evaluate
+    from mhalab.train.commands.evaluate import evaluate
     from mhalab.train.run import run
 
     write(tmp_path / "news.csv", news_rows(30))

@@ -18,7 +18,7 @@ from hydra import compose, initialize_config_dir
 
 from mhalab.errors import ConfigError, DataError
 from mhalab.train import checkpoint
-from mhalab.train.predict import command, predict, read_texts
+from mhalab.train.commands.predict import command, predict, read_texts
 from mhalab.train.run import run
 
 NAMES = ["neg", "pos"]

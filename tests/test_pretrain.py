@@ -144,7 +144,7 @@ def test_a_second_fine_tuning_reuses_the_cached_encoder_and_another_shape_or_hol
     cfg = compose_train(ov + ["lr=3e-3", "max_epochs=2", "dropout=0.2"], tmp / "run2", data, cache)
     enc, _ = pretrain.read_encoder(pretrain.resolve_init(pretrained["record"]["pretrain"]["dir"]))
     # the fine-tuning settings (lr, epochs) do not change the pretraining dir: build loads it from the cache
-    dm, module = build(cfg)
+    dm, module = build(cfg, pretrain.stage(cfg))
     assert pretrain.cache_dir(cfg, dm) == first
     assert module.checkpoint_extras["pretrain"]["cached"] is True
     for k, v in enc.items():  # fine-tuning starts from the pretrained weights, all but the head
@@ -232,16 +232,16 @@ def test_init_from_loads_the_encoder_and_refuses_another_shape_or_tokenizer(pret
     enc, _ = pretrain.read_encoder(pretrain.resolve_init(d))
     cfg = compose_train([f"init_from={d}", "data.dev_split=0.25", "data.files.validation=null"], tmp / "i1",
                         pretrained["data"], pretrained["cache"])
-    _, module = build(cfg)
+    _, module = build(cfg, pretrain.stage(cfg))
     torch.testing.assert_close(module.model.embed.weight, enc["embed.weight"], atol=0, rtol=0)
     wrong = compose_train([f"init_from={d}", "dim=48", "data.dev_split=0.25", "data.files.validation=null"],
                           tmp / "i2", pretrained["data"], pretrained["cache"])
     with pytest.raises(CheckpointError, match=r"holds an encoder with model.dim=32, but the config has model.dim=48"):
-        build(wrong)
+        build(wrong, pretrain.stage(wrong))
     other_tok = compose_train([f"init_from={d}", "data.vocab_size=150", "data.dev_split=0.25",
                                "data.files.validation=null"], tmp / "i3", pretrained["data"], pretrained["cache"])
     with pytest.raises(CheckpointError, match=r"its embeddings belong to other token ids"):
-        build(other_tok)
+        build(other_tok, pretrain.stage(other_tok))
 
 
 @pytest.mark.parametrize("overrides,error,match", [

@@ -651,7 +651,7 @@ def test_analysis_leaves_matplotlib_global_state_alone(tmp_path: Path) -> None:
     code = (
         "import sys, matplotlib\n"
         "from mhalab.analysis import lra, report\n"
-        "from mhalab.train import curves\n"
+        "from mhalab.train.record import curves\n"
         f"report.write_report({str(tmp_path / 'mr')!r})\n"
         f"curves.loss_curves({str(tmp_path / 'metrics.csv')!r}, {str(tmp_path / 'curves.png')!r})\n"
         f"lra.plot_lra([], {str(tmp_path / 'lra.png')!r})\n"

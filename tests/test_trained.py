@@ -1,5 +1,5 @@
 """No winner and no verdict from models that had not finished learning (mhalab.analysis.report.trained), and what a
-run trained said where it ends (mhalab.train.extent): on the small result tables committed in tests/data/trained,
+run trained said where it ends (mhalab.train.record.extent): on the small result tables committed in tests/data/trained,
 on every committed sweep of results/sweeps, and on a real sweep cut short."""
 
 from __future__ import annotations

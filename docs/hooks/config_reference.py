@@ -1,4 +1,4 @@
-"""MkDocs hook: the configuration reference, generated from the Hydra configs themselves (src/mhalab/conf).
+"""MkDocs hook: the configuration reference, generated from the Hydra configs themselves (conf/).
 
 `<!-- config: groups -->` in a page becomes one table per config group (each option, the comment that opens its
 file, the default marked); `<!-- config: train.yaml -->` becomes that file's keys, their defaults and comments,
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import yaml
 
-CONF = Path(__file__).resolve().parents[2] / "src" / "mhalab" / "conf"
+CONF = Path(__file__).resolve().parents[2] / "conf"
 log = logging.getLogger("mkdocs.hooks.config_reference")
 MARKER = re.compile(r"<!-- config: (\S+) -->")
 KEY = re.compile(r"^(?P<indent> *)(?P<key>[\w.]+):(?P<value>[^#]*?)\s*(?:#\s?(?P<comment>.*))?$")

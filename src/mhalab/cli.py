@@ -211,17 +211,17 @@ def _hydra_command(config_name: str, module: str) -> None:
 
 def evaluate() -> None:
     """mhalab-eval (and `python scripts/eval.py`): a checkpoint's metrics on one split (conf/eval.yaml)."""
-    _hydra_command("eval", "mhalab.train.evaluate")
+    _hydra_command("eval", "mhalab.train.commands.evaluate")
 
 
 def predict() -> None:
     """mhalab-predict: one JSON line of label and class probabilities per input text (conf/predict.yaml)."""
-    _hydra_command("predict", "mhalab.train.predict")
+    _hydra_command("predict", "mhalab.train.commands.predict")
 
 
 def ensemble() -> None:
     """mhalab-ensemble: the averaged probabilities of several runs (a sweep's seeds), scored on one split."""
-    _hydra_command("ensemble", "mhalab.train.ensemble")
+    _hydra_command("ensemble", "mhalab.train.commands.ensemble")
 
 
 def baseline() -> None:

@@ -33,6 +33,7 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor, nn
 
+from mhalab.errors import CheckpointError
 from mhalab.nn.attention import BLOCK_MIN_SCORES, QUERY_BLOCK, MultiHeadAttention, check_heads
 from mhalab.nn.encoder import OfficialEncoder, TransformerEncoder, TransformerEncoderLayer
 from mhalab.nn.kernels import LinformerAttention, PerformerAttention, WindowAttention
@@ -305,6 +306,21 @@ class SequenceClassifier(nn.Module):
         for layer in layers:
             layer.compile_positionwise()
         return len(layers)
+
+    def load_encoder(self, state: Mapping[str, Tensor]) -> None:
+        """Every weight but the classification head, from a pretrained encoder's state dict (a masked-LM
+        pretraining's, mhalab.train.pretrain); the head keeps its own initialisation.
+
+        Raises:
+            CheckpointError: the state dict does not fit this classifier (other keys or shapes).
+        """
+        try:
+            missing, unexpected = self.load_state_dict(state, strict=False)
+        except RuntimeError as e:  # a shape that differs
+            raise CheckpointError(f"the pretrained encoder does not fit the classifier: {e}") from None
+        if unexpected or any(not k.startswith("head.") for k in missing):
+            raise CheckpointError(f"the pretrained encoder does not fit the classifier (missing {missing}, "
+                                  f"unexpected {unexpected}).")
 
     def forward(self, input_ids: Tensor, padding_mask: Tensor | None = None, seqlens: SeqLens | None = None) -> Tensor:
         """The logits of a padded or a packed batch.

@@ -28,7 +28,7 @@ from mhalab.analysis.report.stats import GroupStats
 from mhalab.errors import RunDirError, one_line_errors
 from mhalab.model import ATTENTIONS
 from mhalab.train import record
-from mhalab.train.curves import masked_lm_finals
+from mhalab.train.record.curves import masked_lm_finals
 
 log = logging.getLogger(__name__)
 

@@ -15,13 +15,14 @@ from mhalab.errors import ConfigError
 
 __all__ = ["ConfigError", "register_resolvers", "validate"]
 
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf"  # the Hydra configs, shipped inside the package
-
+# the Hydra configs: the package's conf/, in a checkout a link to the top-level conf/ (their only copy)
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 
 def source_checkout() -> Path | None:
     """The checkout this code runs from (`python train.py`, an editable install), or None once installed."""
     root = Path(__file__).resolve().parents[3]  # <root>/src/mhalab/train/config.py
     return root if (root / "pyproject.toml").is_file() and (root / "src" / "mhalab").is_dir() else None
+
 
 
 def default_data_dir() -> str:
@@ -210,6 +211,26 @@ def validate(cfg: DictConfig) -> None:
         checkpoint.check_fits(path, OmegaConf.to_container(m, resolve=True),
                               OmegaConf.to_container(cfg.data, resolve=True))
     instantiate(cfg.data).check_paths()  # the datamodule's arguments, then its files: nothing is read yet
+
+
+def setup_process(cfg: DictConfig) -> None:
+    """What a run's process needs before its parts are built: the config's checks (validate), then its CPU threads
+    (num_threads; 1 when sweep members run side by side)."""
+    validate(cfg)
+    if cfg.get("num_threads"):
+        torch.set_num_threads(int(cfg.num_threads))
+
+
+def datamodule(cfg: DictConfig):
+    """The data group's datamodule, set up for fitting: its tokenizer trained (or read from the cache) and its splits
+    encoded."""
+    dm = instantiate(cfg.data)  # the datamodule checks its arguments here, before reading anything
+    dm.prepare_data()  # a tokenizer trained and the splits encoded on every core (IMDB's: 2x faster on 2 cores)
+    dm.setup("fit")
+    # then one thread: a DataLoader worker forked after tokenizers' threads ran would warn and turn them off. A
+    # user's own setting stays.
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    return dm
 
 
 def check_machine(trainer: DictConfig | dict) -> None:

@@ -11,7 +11,7 @@ reached, with which checkpoint, and where its files are (`summary`):
 Every figure is read from the run's record (mhalab.train.record), so the console and metrics.json agree. A run cut
 short (limit_train_batches, max_steps, max_time) says so on its `trained` line, and a split evaluated in part
 (limit_val_batches, limit_test_batches) on its line: `test   acc 48.75% (on 320 of 500 examples, 64%:
-limit_test_batches=5)` (mhalab.train.extent).
+limit_test_batches=5)` (mhalab.train.record.extent).
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
-from mhalab.train import extent, record
+from mhalab.train import record
+from mhalab.train.record import extent
 
 # Lightning's rank-zero notes that advertise its platform or describe its own defaults
 LIGHTNING_NOISE = ("💡 Tip:", "Trainer already configured with model summary callbacks",

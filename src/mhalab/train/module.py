@@ -3,10 +3,10 @@
 Logged by the module: train/loss and train/acc (per step; train/acc_epoch: the epoch's accuracy),
 train/pad_frac (per step), {val,test}/{loss,acc,f1} (per epoch; f1 is the macro average), and with at
 most MAX_LOGGED_CLASSES classes {val,test}/f1_<label> per class (per epoch). Throughput (real tokens,
-samples, FLOPs, MFU on CUDA) is logged by the callback mhalab.train.throughput.RealTokenThroughput from
+samples, FLOPs, MFU on CUDA) is logged by the callback mhalab.train.callbacks.throughput.RealTokenThroughput from
 `flops_per_batch`, set here per training batch; the learning rate by LearningRateMonitor.
 After each validation epoch and each test, `class_reports["validation" | "test"]` holds the per-class
-report (mhalab.train.class_report: precision, recall, f1, support, confusion matrix, macro averages).
+report (mhalab.train.record.class_report: precision, recall, f1, support, confusion matrix, macro averages).
 """
 
 from __future__ import annotations
@@ -29,14 +29,14 @@ from torchmetrics.classification import (
 
 from mhalab.model import ATTENTION_OPTIONS, SequenceClassifier
 from mhalab.nn.flops import train_flops
-from mhalab.train.class_report import build_report, default_labels
+from mhalab.train.callbacks.throughput import batch_tokens
 from mhalab.train.optimizer import (
     adamw_with_schedule,
     check_label_smoothing,
     check_schedule,
     upgrade_article_keys,
 )
-from mhalab.train.throughput import batch_tokens
+from mhalab.train.record.class_report import build_report, default_labels
 
 log = logging.getLogger("mhalab")
 
@@ -85,6 +85,7 @@ class Classifier(L.LightningModule):
         compile: bool = False,
         checkpoint_extras: dict | None = None,
         label_names: list[str] | None = None,
+        encoder: dict | None = None,
     ):
         super().__init__()
         check_schedule(schedule)
@@ -92,8 +93,10 @@ class Classifier(L.LightningModule):
         if label_names is not None and len(label_names) != num_classes:
             raise ValueError(f"label_names has {len(label_names)} names ({list(label_names)}) for "
                              f"num_classes={num_classes}; give one name per class, or none.")
-        self.save_hyperparameters(ignore=["checkpoint_extras"])  # the extras have their own entry, below
+        self.save_hyperparameters(ignore=["checkpoint_extras", "encoder"])  # the extras have their own entry, below
         self.model = SequenceClassifier(vocab_size=vocab_size, num_classes=num_classes, pad_id=pad_id, **model)
+        if encoder is not None:  # a pretrained start (mhalab.train.pretrain.stage): every weight but the head
+            self.model.load_encoder(encoder)
         # one sequence of max_len real tokens: the model summary counts each module's FLOPs on it (its FLOPs column).
         # Not for model=official: in eval PyTorch's layers pass nested tensors, whose shapes Lightning's summary
         # cannot read (it would fail); its FLOPs column reads 0 there.

@@ -2,7 +2,7 @@
 
 AdamW (no weight decay on biases, norms and embeddings) with a linear warmup, then a cosine, linear or constant lr
 (`optim.*`, and `pretrain.*` for the masked-LM stage); the loss's label smoothing (`optim.label_smoothing`); the
-decay of the weights' moving average (`callbacks=ema`, mhalab.train.ema). torch only: mhalab.train.config checks a
+decay of the weights' moving average (`callbacks=ema`, mhalab.train.callbacks.ema). torch only: mhalab.train.config checks a
 run's values with these rules before Lightning loads (~3 s), and the module and the callback check them again.
 """
 
@@ -31,7 +31,7 @@ def check_label_smoothing(eps: float) -> None:
 
 
 def check_decay(decay: float | None) -> None:
-    """The EMA's decay (mhalab.train.ema)."""
+    """The EMA's decay (mhalab.train.callbacks.ema)."""
     if decay is None or not 0.0 < decay < 1.0:
         raise ValueError(f"callbacks.ema.decay={decay} must be in (0, 1), e.g. 0.99 (an average over ~100 steps).")
 

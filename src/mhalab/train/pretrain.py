@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import lightning as L
@@ -42,9 +43,10 @@ from mhalab.mlm import MaskedLanguageModel
 from mhalab.model import SequenceClassifier
 from mhalab.train.callbacks import GracefulStop, ResumeState
 from mhalab.train.checkpoint import SHAPE_KEYS
-from mhalab.train.csv_logger import ContinuedCSVLogger
-from mhalab.train.curves import loss_curves, masked_lm_finals
+from mhalab.train.config import datamodule, setup_process
+from mhalab.train.loggers.csv_logger import ContinuedCSVLogger
 from mhalab.train.optimizer import adamw_with_schedule, upgrade_article_keys
+from mhalab.train.record.curves import loss_curves, masked_lm_finals
 
 log = logging.getLogger("mhalab")
 
@@ -214,21 +216,41 @@ def check_encoder_fits(meta: dict, model: dict, tokenizer: str, where: str) -> N
                               f"data settings it was pretrained with (data={meta['data']}).")
 
 
-def load_encoder(classifier: SequenceClassifier, state: dict) -> None:
-    """Every weight but the classification head, from a pretrained encoder's state dict."""
-    missing, unexpected = classifier.load_state_dict(state, strict=False)
-    if unexpected or any(not k.startswith("head.") for k in missing):
-        raise CheckpointError(f"the pretrained encoder does not fit the classifier (missing {missing}, "
-                              f"unexpected {unexpected}).")
+@dataclass(frozen=True)
+class Encoder:
+    """What a pretrained start hands the run's build: an encoder's weights (every classifier weight but the head),
+    already checked against the run's model and tokenizer, and their record (objective, steps, dir, cached)."""
+
+    state: dict
+    meta: dict
+
+
+def stage(cfg: DictConfig) -> Encoder | None:
+    """The stage before a run's build: with pretrain=mlm, the encoder pretrained now on the train split or read from
+    its cache; with init_from=, the encoder.pt given, checked against this model and this data's tokenizer; None
+    when the run starts from scratch."""
+    if not (cfg.get("pretrain") or cfg.get("init_from")):
+        return None
+    setup_process(cfg)  # the checks, before any data is read
+    dm = datamodule(cfg)  # the train split it pretrains on, and the tokenizer an encoder must share
+    if cfg.get("pretrain"):
+        state, meta = pretrained_encoder(cfg, dm)
+        return Encoder(state, meta)
+    path = resolve_init(cfg.init_from)
+    state, meta = read_encoder(path)
+    check_encoder_fits(meta, OmegaConf.to_container(cfg.model, resolve=True), dm.tokenizer_path.name,
+                       str(cfg.init_from))
+    return Encoder(state, dict(meta, cached=True))
 
 
 __all__ = [
     "OBJECTIVES",
+    "Encoder",
     "MaskedLMModule",
     "cache_dir",
     "check_encoder_fits",
-    "load_encoder",
     "pretrained_encoder",
     "read_encoder",
     "resolve_init",
+    "stage",
 ]

@@ -1,6 +1,6 @@
 """One training run: validate the config, build data and model, fit, test the best checkpoint, write results.
 
-Every run writes into its own Hydra output dir, which one live process holds (mhalab.train.rundir):
+Every run writes into its own Hydra output dir, which one live process holds (mhalab.train.record.rundir):
   metrics.json      status, best (the best checkpoint: val/*, test/*) and last_epoch (val/*) metrics, params,
                     wall time, throughput, the resolved config and data source, the provenance (git commit,
                     versions, device), the label names and per-class results (`classes`), and one entry per
@@ -32,15 +32,16 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from mhalab.errors import RunDirError, UserError
-from mhalab.train import checkpoint, experiment, extent, pretrain, record, rundir
+from mhalab.train import checkpoint, pretrain, record
 from mhalab.train.callbacks import GracefulStop, LogEveryEpoch, ResumeState
-from mhalab.train.config import instantiate, validate
+from mhalab.train.callbacks.memory import peak_memory_mb, reset_peak_memory
+from mhalab.train.config import datamodule, instantiate, setup_process, validate
 from mhalab.train.console import quiet, summary
 from mhalab.train.loggers import finish
-from mhalab.train.memory import peak_memory_mb, reset_peak_memory
 from mhalab.train.module import Classifier
-from mhalab.train.provenance import device, provenance
-from mhalab.train.rundir import RunLock
+from mhalab.train.record import experiment, extent, rundir
+from mhalab.train.record.provenance import device, provenance
+from mhalab.train.record.rundir import RunLock
 
 log = logging.getLogger("mhalab")
 RESUMABLE = ("interrupted", "dead")  # statuses whose run continues from last.ckpt when run again
@@ -178,7 +179,7 @@ def _run(cfg: DictConfig, out: Path) -> float:
         attempt.update(status="finished", wall_time_s=time.time() - t0)
         rec.update(status="finished", **_totals(attempts))
         record.write(out, rec)
-        from mhalab.train.curves import loss_curves
+        from mhalab.train.record.curves import loss_curves
 
         if (out / "logs" / "metrics.csv").exists():
             loss_curves(out / "logs" / "metrics.csv", out / "loss_curves.png")
@@ -204,57 +205,35 @@ def _write_failed(out: Path, previous: dict | None, attempts: list, cfg: DictCon
     record.write(out, rec)
 
 
-def build(cfg: DictConfig, resuming: bool = False) -> tuple[L.LightningDataModule, Classifier]:
-    """Validate the config, then make the datamodule (data read, tokenizer ready) and the model; with
-    pretrain=... or init_from=..., its encoder pretrained on the train texts (mhalab.train.pretrain), unless
-    `resuming` (the checkpoint has the weights)."""
-    validate(cfg)  # cheap checks before any data is read
-    if cfg.get("num_threads"):
-        torch.set_num_threads(int(cfg.num_threads))
+def build(cfg: DictConfig, encoder: pretrain.Encoder | None = None) -> tuple[L.LightningDataModule, Classifier]:
+    """The run's parts, top-down, each from its config group: the datamodule (data read, tokenizer ready), then the
+    model inside its LightningModule. A pretrained start (pretrain=mlm, init_from=) is the stage before this one
+    (pretrain.stage): it hands in `encoder`, weights already checked against this model and tokenizer."""
+    setup_process(cfg)  # cheap checks before any data is read; threads; then the seed of the weights' draws
     L.seed_everything(int(cfg.seed), workers=True)
-    dm = instantiate(cfg.data)  # the datamodule checks its arguments here, before reading anything
-    dm.prepare_data()  # a tokenizer trained and the splits encoded on every core (IMDB's: 2x faster on 2 cores)
-    dm.setup("fit")
-    # then one thread: a DataLoader worker forked after tokenizers' threads ran would warn and turn them off. A
-    # user's own setting stays.
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    dm = datamodule(cfg)
     # the datamodule's state_dict (tokenizer, label names, sampler position) is saved by Lightning
     # under its class name; record where, with the data config, so a checkpoint is self-contained
     # (the data config as the datamodule resolved it: absolute paths, and what data=files inferred, so that
     # mhalab-eval rebuilds the same splits from any directory)
     extras = {"datamodule_key": type(dm).__qualname__, "data": dm.source_config()}
-    encoder = None if resuming else _pretrained(cfg, dm)
     if encoder:
-        extras["pretrain"] = {k: v for k, v in encoder[1].items() if k not in ("model", "data")}
-        L.seed_everything(int(cfg.seed), workers=True)  # the head's init as in a run without pretraining
+        extras["pretrain"] = {k: v for k, v in encoder.meta.items() if k not in ("model", "data")}
     module = Classifier(
         model=OmegaConf.to_container(cfg.model, resolve=True), vocab_size=dm.vocab_size,
         num_classes=dm.num_classes, label_names=dm.label_names, pad_id=dm.pad_id, compile=bool(cfg.compile),
-        checkpoint_extras=extras, **OmegaConf.to_container(cfg.optim, resolve=True),
+        checkpoint_extras=extras, encoder=encoder.state if encoder else None,
+        **OmegaConf.to_container(cfg.optim, resolve=True),
     )
-    if encoder:
-        pretrain.load_encoder(module.model, encoder[0])
     return dm, module
-
-
-def _pretrained(cfg: DictConfig, dm) -> tuple[dict, dict] | None:
-    """(state dict, meta) of the encoder to start from: pretrained now or cached (pretrain=mlm), or init_from."""
-    if cfg.get("pretrain"):
-        return pretrain.pretrained_encoder(cfg, dm)
-    if cfg.get("init_from"):
-        path = pretrain.resolve_init(cfg.init_from)
-        state, meta = pretrain.read_encoder(path)
-        pretrain.check_encoder_fits(meta, OmegaConf.to_container(cfg.model, resolve=True), dm.tokenizer_path.name,
-                                    str(cfg.init_from))
-        return state, dict(meta, cached=True)
-    return None
 
 
 def _fit_and_test(cfg: DictConfig, out: Path, rec: dict, stop: GracefulStop, ckpt_path: str | None = None
                   ) -> L.Trainer:
     if ckpt_path is None and cfg.get("ckpt_path"):
         ckpt_path = str(checkpoint.resolve(str(cfg.ckpt_path)))
-    dm, module = build(cfg, resuming=ckpt_path is not None)
+    # a resumed run's checkpoint holds its weights: only a new one starts from a pretrained encoder
+    dm, module = build(cfg, None if ckpt_path is not None else pretrain.stage(cfg))
     if rec:  # the data set as resolved: absolute paths, the columns and labels data=files found
         rec["data"] = module.checkpoint_extras["data"]
         if "pretrain" in module.checkpoint_extras:  # where the encoder came from, and what pretraining cost
@@ -354,7 +333,7 @@ def _write_class_reports(out: Path, module: Classifier, rec: dict, tested: bool)
     else the last validation's."""
     if not rec:  # ranks other than 0 write nothing
         return
-    from mhalab.train.class_report import confusion_png
+    from mhalab.train.record.class_report import confusion_png
 
     rec["label_names"] = list(module.label_names)
     rec["classes"] = {"of": "best checkpoint" if tested else "last validation", **module.class_reports}

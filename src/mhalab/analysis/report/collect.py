@@ -35,8 +35,9 @@ from mhalab.analysis.report import trained
 from mhalab.analysis.report.stats import DEFAULT_METRIC, higher_is_better
 from mhalab.analysis.report.values import finite, natural_key, parse_value, to_float
 from mhalab.errors import RunDirError
-from mhalab.train import extent, record
+from mhalab.train import record
 from mhalab.train.config import CONF_DIR
+from mhalab.train.record import extent
 
 log = logging.getLogger(__name__)
 
@@ -282,7 +283,7 @@ def load_member(member_dir: Path, root: Path, metric: str = DEFAULT_METRIC) -> d
         cm = np.asarray(confusion, dtype=float)  # rows: true class, columns: predicted
         row["val_majority_acc"] = float(cm.sum(1).max() / max(cm.sum(), 1.0))
         row["val_classes_predicted"] = int((cm.sum(0) > 0).sum())
-    # what it trained and evaluated against its plan (mhalab.train.extent), for the rule of report.trained
+    # what it trained and evaluated against its plan (mhalab.train.record.extent), for the rule of report.trained
     ran = rec["trained"] if isinstance(rec["trained"], dict) else {}
     if ran:
         row["planned_steps"], row["stopped_early"] = ran.get("planned_steps"), bool(ran.get("stopped_early"))

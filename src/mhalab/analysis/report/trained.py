@@ -6,7 +6,7 @@ A finished member is **not trained to the end** when
 
 * it **stopped short**: fewer optimizer steps than its config planned (max_epochs over the whole training split,
   or max_steps where that is set and smaller: a plan, as the LRA presets make it), cut by `limit_train_batches`,
-  `max_time` or an interruption (mhalab.train.extent records both), unless early stopping ended it (its validation
+  `max_time` or an interruption (mhalab.train.record.extent records both), unless early stopping ended it (its validation
   metric had stopped improving: that is an end); or
 * it was **still improving**: the best of its last ``WINDOW`` validations beats the best before them by more than
   the margin, the smallest difference that matters (1 point of an accuracy by default): early stopping with

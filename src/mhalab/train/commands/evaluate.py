@@ -29,7 +29,7 @@ def evaluate(ckpt_path: str | Path, split: str = "test", data_dir: str | None = 
              batch_size: int | None = None, which: str = "best") -> dict:
     """{checkpoint, split, examples, <split>/loss, <split>/acc, <split>/f1, <split>/f1_<class>, classes} of a
     checkpoint on one split; `classes`: per-class precision / recall / F1, support and the confusion matrix
-    (mhalab.train.class_report), by the label names the checkpoint carries."""
+    (mhalab.train.record.class_report), by the label names the checkpoint carries."""
     loaded = checkpoint.load_model(ckpt_path, which=which)  # the one loader: a .ckpt, a run dir, or `last`
     dm = datamodule_of(loaded, split, data_dir)
     texts, labels = dm.read_splits()[split]  # checked rows, with the same seeded dev hold-out as in training

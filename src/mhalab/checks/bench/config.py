@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mhalab.analysis.bench.cases import EXTRA_VARIANTS, MODES, MODULES, VARIANTS
-from mhalab.analysis.bench.measure import CLOCKS
 from mhalab.analysis.options import doc, parse
+from mhalab.checks.bench.cases import EXTRA_VARIANTS, MODES, MODULES, VARIANTS
+from mhalab.checks.bench.measure import CLOCKS
 from mhalab.errors import ConfigError
 from mhalab.nn.attention import check_heads
 

@@ -45,6 +45,6 @@ Files: cases (the variants and their inputs), measure (time, peak memory), targe
 checks), render (markdown, png, console), config (the key=value options), command (main).
 """
 
-from mhalab.analysis.bench.command import main
+from mhalab.checks.bench.command import main
 
 __all__ = ["main"]

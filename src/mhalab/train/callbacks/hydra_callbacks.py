@@ -14,7 +14,7 @@ from omegaconf import DictConfig
 
 def _check_writable(run_dir: str) -> None:
     from mhalab.errors import exit_with
-    from mhalab.train.rundir import unwritable
+    from mhalab.train.record.rundir import unwritable
 
     d = Path(run_dir)
     try:

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import torch
 
-from mhalab.analysis.bench.cases import EXTRA_VARIANTS, MODES, MODULES, VARIANTS
-from mhalab.analysis.bench.measure import Row
+from mhalab.checks.bench.cases import EXTRA_VARIANTS, MODES, MODULES, VARIANTS
+from mhalab.checks.bench.measure import Row
 
 
 def device_name(device: torch.device) -> str:

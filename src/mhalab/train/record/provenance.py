@@ -1,6 +1,6 @@
 """Where a run's numbers came from: the code (git commit, dirty flag), the library versions, the device.
 
-Written into metrics.json and sent to every logger beside the resolved config (mhalab.train.experiment), so
+Written into metrics.json and sent to every logger beside the resolved config (mhalab.train.record.experiment), so
 a result found months later says which code and which stack produced it. No network, no subprocess when
 git is absent: a field that cannot be known is None.
 """

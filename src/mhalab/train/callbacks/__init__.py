@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from mhalab.train.memory import current_rss_mb, peak_memory_mb, reset_peak_memory
+from mhalab.train.callbacks.memory import current_rss_mb, peak_memory_mb, reset_peak_memory
 
 log = logging.getLogger("mhalab")
 
@@ -243,7 +243,7 @@ class PerfMonitor(L.Callback):
     """Median / mean training step time and peak memory of the fit, into perf.json and the loggers.
 
     Times every training step (forward + backward + optimizer; CUDA-synchronised; the first `warmup`
-    steps are left out) and records peak memory over the fit (mhalab.train.memory: CUDA's allocator
+    steps are left out) and records peak memory over the fit (mhalab.train.callbacks.memory: CUDA's allocator
     peak, or on CPU the process's peak resident set, reset at fit start so sweep members that share one
     process are measured separately). Logs perf/step_ms and perf/peak_mem_mb; writes `perf.json` into
     the run's output dir (read by mhalab.analysis.lra's table).

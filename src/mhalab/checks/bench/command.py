@@ -13,17 +13,17 @@ from pathlib import Path
 
 import torch
 
-from mhalab.analysis.bench.config import parse_config
-from mhalab.analysis.bench.measure import Row, measure
-from mhalab.analysis.bench.render import console, device_name, markdown, plot
-from mhalab.analysis.bench.targets import run_targets
+from mhalab.checks.bench.config import parse_config
+from mhalab.checks.bench.measure import Row, measure
+from mhalab.checks.bench.render import console, device_name, markdown, plot
+from mhalab.checks.bench.targets import run_targets
 from mhalab.errors import one_line_errors
 
 
 @one_line_errors
 def main(argv: Sequence[str] | None = None, prog: str = "mhalab-bench") -> int:
     """Entry point of mhalab-bench (and scripts/bench.py, which passes its own `prog` for the record)."""
-    import mhalab.analysis.bench as package  # its docstring is the --help text
+    import mhalab.checks.bench as package  # its docstring is the --help text
 
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_config(argv, prog, package.__doc__)  # the resolved settings (BenchConfig)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from mhalab.analysis.bench.cases import VARIANTS
-from mhalab.analysis.bench.measure import measure
-from mhalab.analysis.bench.render import fmt
+from mhalab.checks.bench.cases import VARIANTS
+from mhalab.checks.bench.measure import measure
+from mhalab.checks.bench.render import fmt
 from mhalab.nn.attention import QUERY_BLOCK
 
 # The target configuration (measured on CPU, float32).

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from mhalab.analysis.bench.cases import MODES, build, flops, padding_mask
+from mhalab.checks.bench.cases import MODES, build, flops, padding_mask
 
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 

@@ -3,7 +3,7 @@ what every logger (csv, wandb, tensorboard) receives as hyper-parameters.
 
 As lightning-hydra-template's `extras` and `log_hyperparameters`: a run says, in each place a user looks,
 the whole resolved config (data, model, optim, trainer, callbacks, seed...), the command-line overrides,
-and its provenance (git commit and dirty flag, library versions, device: mhalab.train.provenance).
+and its provenance (git commit and dirty flag, library versions, device: mhalab.train.record.provenance).
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ the exit code is 1 if any part failed):
   cuda_tests  `pytest -m cuda -q` over the test files with CUDA tests, counts read from its junit xml. On a GPU, 0 run
               (all skipped) is a failure: the CUDA tests did not see the GPU.
   bench       our TransformerEncoder (fused path, as it ships) vs nn.TransformerEncoder, weights copied
-              (mhalab.analysis.bench.measure): d=768, 12 heads, ff 3072, 4 layers, L=512, B=16, bf16
+              (mhalab.checks.bench.measure): d=768, 12 heads, ff 3072, 4 layers, L=512, B=16, bf16
               autocast, dropout 0.1, without padding and with a quarter of positions padded; training
               step and inference, median of 20; TFLOP/s from mhalab.nn.flops (the analytic count proven
               equal to FlopCounterMode), MFU = TFLOP/s / the device's bf16 dense peak (PEAK_TFLOPS).
@@ -78,7 +78,7 @@ import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[3]  # the checkout: src/mhalab/analysis/gpu_check.py
+ROOT = Path(__file__).resolve().parents[3]  # the checkout: src/mhalab/checks/gpu_check.py
 BUNDLE = ROOT / ".gpu"
 MANIFEST = "MANIFEST.json"
 SST2 = ("train", "dev", "test")
@@ -409,9 +409,9 @@ def part_bench(device_type: str, sizes: Sizes, peak: float | None) -> dict:
     """Our encoder stack vs nn.TransformerEncoder (weights copied): training step and inference, pad 0 and 0.25."""
     import torch
 
-    from mhalab.analysis.bench.cases import padding_mask
-    from mhalab.analysis.bench.config import BenchConfig, resolve
-    from mhalab.analysis.bench.measure import measure
+    from mhalab.checks.bench.cases import padding_mask
+    from mhalab.checks.bench.config import BenchConfig, resolve
+    from mhalab.checks.bench.measure import measure
     from mhalab.nn.flops import forward_flops, train_flops
 
     # nn.TransformerEncoder's nested tensors warn on every eval call; not news here (as in mhalab-bench)
@@ -672,7 +672,7 @@ def main(argv: list[str] | None = None) -> int:
     elif a.cpu:
         out = ROOT / "results" / "bench" / "cpu-dry-run"
     else:
-        from mhalab.analysis.bench.render import device_name
+        from mhalab.checks.bench.render import device_name
 
         out = ROOT / "results" / "bench" / device_name(torch.device("cuda"))
     out.mkdir(parents=True, exist_ok=True)

@@ -25,8 +25,8 @@ from torchmetrics.functional.classification import multiclass_f1_score
 
 from mhalab.errors import CheckpointError, ConfigError
 from mhalab.train import checkpoint, record
-from mhalab.train.evaluate import datamodule_of
-from mhalab.train.predict import probabilities
+from mhalab.train.commands.evaluate import datamodule_of
+from mhalab.train.commands.predict import probabilities
 
 
 def members(runs: list[str]) -> tuple[list[Path], list[Path]]:

@@ -1,7 +1,7 @@
 """metrics.json, a run's record: one writer (atomic), one reader, and the status to believe.
 
 A record says "running" while its process lives. A process that was killed (SIGKILL, OOM, a lost
-machine) never gets to say otherwise, so a reader asks the run dir's lock (mhalab.train.rundir): "running"
+machine) never gets to say otherwise, so a reader asks the run dir's lock (mhalab.train.record.rundir): "running"
 without a live holder is "dead". Each attempt of a resumed run is kept in `attempts`.
 
 The metrics of a finished run (mhalab.train.run writes them):
@@ -10,7 +10,7 @@ The metrics of a finished run (mhalab.train.run writes them):
   `checkpoint`, its path. With test_after_fit=false, only val/acc (the checkpoint callback's score) and `checkpoint`.
 * `last_epoch`: the val/* of the last validation during fit (what the run ended at, not what it kept).
 * `label_names` (class i's name) and `classes`: per split, per-class precision / recall / F1, support and the
-  confusion matrix (mhalab.train.class_report), of the best checkpoint (`classes.of` says which).
+  confusion matrix (mhalab.train.record.class_report), of the best checkpoint (`classes.of` says which).
 * `config` (the resolved config), `data` (the data source as the datamodule resolved it: absolute paths, the
   columns and labels data=files found), `provenance` (git commit and dirty flag, versions, device).
 
@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from mhalab.train import rundir
+from mhalab.train.record import rundir
 
 log = logging.getLogger("mhalab")
 
