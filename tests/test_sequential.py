@@ -153,15 +153,26 @@ def test_a_sweep_run_until_decided_adds_seeds_only_where_needed_and_a_rerun_repl
     assert json.loads((sweep / "sequential.json").read_text()) == record
 
 
-def test_until_decided_outside_its_sweeper_is_refused_in_one_line(tmp_path, toy_data_dir, fork_server):
-    cmd = [sys.executable, str(REPO / "train.py"), "sweep.until_decided=true", f"hydra.run.dir={tmp_path / 'run'}",
-           f"paths.data_dir={toy_data_dir}", "trainer=cpu"]
+OUTSIDE = ("error: sweep.until_decided=true is read by the until_decided sweeper, which this run does not use: run a "
+           "sweep preset with -m (sweep=dropout ...), or add -m hydra/sweeper=until_decided.")
+
+
+@pytest.mark.parametrize("args,line", [
+    (["sweep.until_decided=true"], OUTSIDE),  # a single run
+    (["-m", "dropout=0.0,0.1", "seed=0,1", "sweep.until_decided=true"], OUTSIDE),  # Hydra's basic sweeper
+    (["-m", "hydra/sweeper=until_decided", "sweep.until_decided=true", "dropout=0.0,0.1", "seed=0"],
+     "error: sweep.max_seeds=20, sweep.round_seeds=2, sweep.alpha=0.05 with 1 first seeds: needs at least 2 first "
+     "seeds (seed=0,1,...), max_seeds above their number, round_seeds >= 1 and alpha in (0, 1)"),
+], ids=["single run", "basic sweeper", "one first seed"])
+def test_until_decided_misused_is_refused_in_one_line_before_any_member_runs(args, line, tmp_path, toy_data_dir,
+                                                                              fork_server):
+    cmd = [sys.executable, str(REPO / "train.py"), *args, f"hydra.run.dir={tmp_path / 'run'}",
+           f"hydra.sweep.dir={tmp_path / 'sweep'}", f"paths.data_dir={toy_data_dir}", "trainer=cpu"]
     proc = fork_server.run(cmd, cwd=tmp_path, env=dict(os.environ, PYTHONHASHSEED="0"), timeout=300)
-    assert proc.returncode != 0
-    assert proc.stderr.strip().splitlines()[-1] == (
-        "error: sweep.until_decided=true is read by the until_decided sweeper, which this run does not use: run a "
-        "sweep preset with -m (sweep=dropout ...), or add -m hydra/sweeper=until_decided.")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == line
     assert "Traceback" not in proc.stderr
+    assert not list(tmp_path.glob("*/**/metrics.json"))  # no member ran
 
 
 def test_the_claims_table_reads_a_sweep_run_until_decided_from_its_repeated_intervals(tmp_path):

@@ -44,7 +44,7 @@ def check_overrides(config_name: str, argv: list[str], check_run=None) -> None:
     from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
     from omegaconf import OmegaConf, open_dict
 
-    from mhalab.train.config import CONF_DIR, check_machine
+    from mhalab.train.config import CONF_DIR, check_machine, check_until_decided
 
     if any(a.startswith("-") and a not in ("-m", "--multirun") for a in argv):
         return
@@ -89,6 +89,8 @@ def check_overrides(config_name: str, argv: list[str], check_run=None) -> None:
             if cfg.get("trainer") is not None:  # before Hydra makes a run dir: a refusal leaves nothing behind
                 check_machine(OmegaConf.to_container(cfg.trainer, resolve=False))
             multirun = "-m" in argv or "--multirun" in argv or str(cfg.hydra.mode) == "RunMode.MULTIRUN"
+            if multirun and OmegaConf.select(cfg, "sweep.until_decided"):  # before any member runs
+                check_until_decided(str(OmegaConf.select(cfg, "hydra.sweeper._target_") or ""))
             if check_run is not None and not multirun:
                 from hydra.core.hydra_config import HydraConfig
 

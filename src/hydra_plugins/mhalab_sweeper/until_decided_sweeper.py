@@ -27,15 +27,15 @@ from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf
 
-from mhalab.errors import ConfigError
+from mhalab.errors import ConfigError, exit_with
 
 log = logging.getLogger(__name__)
 
 
 def _key(overrides: list[str], seed: Any) -> tuple[frozenset, float]:
-    from mhalab.analysis.report.collect import _run_key, setting_of
+    from mhalab.analysis.report.collect import run_key, setting_of
 
-    return _run_key(setting_of(overrides), seed)
+    return run_key(setting_of(overrides), seed)
 
 
 class UntilDecidedSweeper(BasicSweeper):
@@ -56,13 +56,13 @@ class UntilDecidedSweeper(BasicSweeper):
         jobs = self.split_arguments(parser.parse_overrides([*self._parse_config(), *arguments]), None)[0]
         seeds = sorted({int(o.split("=", 1)[1]) for job in jobs for o in job if o.startswith("seed=")})
         max_seeds, round_seeds, alpha = int(opts.max_seeds), int(opts.round_seeds), float(opts.alpha)
-        if not seeds:
-            raise ConfigError("sweep.until_decided=true adds seeds to a sweep over seeds: give the first ones "
-                              "(hydra.sweeper.params.seed=0,1,2,3,4, as the sweep presets do)")
+        if not seeds:  # one line and exit 2 before any member runs, as mhalab.errors does for every user error
+            exit_with(ConfigError("sweep.until_decided=true adds seeds to a sweep over seeds: give the first ones "
+                              "(hydra.sweeper.params.seed=0,1,2,3,4, as the sweep presets do)"))
         if not (len(seeds) >= 2 and round_seeds >= 1 and max_seeds > len(seeds) and 0 < alpha < 1):
-            raise ConfigError(f"sweep.max_seeds={max_seeds}, sweep.round_seeds={round_seeds}, sweep.alpha={alpha} "
-                              f"with {len(seeds)} first seeds: needs at least 2 first seeds, max_seeds above their "
-                              "number, round_seeds >= 1 and alpha in (0, 1)")
+            exit_with(ConfigError(f"sweep.max_seeds={max_seeds}, sweep.round_seeds={round_seeds}, "
+                                  f"sweep.alpha={alpha} with {len(seeds)} first seeds: needs at least 2 first seeds "
+                                  "(seed=0,1,...), max_seeds above their number, round_seeds >= 1 and alpha in (0, 1)"))
         templates = {}  # a setting's key -> its job's overrides, seed last
         for job in jobs:
             rest = [o for o in job if not o.startswith("seed=")]

@@ -196,7 +196,9 @@ def validate(cfg: DictConfig) -> None:
                               f"max_epochs >= 1, or trainer.max_steps=N.")
     _int(cfg, "seed", 0)
     if OmegaConf.select(cfg, "sweep.until_decided"):
-        _check_until_decided()
+        from hydra.core.hydra_config import HydraConfig
+
+        check_until_decided(str(HydraConfig.get().sweeper.get("_target_", "")) if HydraConfig.initialized() else "")
     _check_pretraining(cfg)
     from mhalab.train.loggers import check_installed
 
@@ -268,12 +270,10 @@ def _check_nodes(nodes: int) -> None:
                           f"run dir; pass the same hydra.run.dir=<a dir every node sees> on each node.")
 
 
-def _check_until_decided() -> None:
-    """sweep.until_decided is read by the until_decided sweeper only: elsewhere it would be silently ignored."""
-    from hydra.core.hydra_config import HydraConfig
-
-    sweeper = HydraConfig.get().sweeper.get("_target_", "") if HydraConfig.initialized() else ""
-    if not str(sweeper).endswith(".UntilDecidedSweeper"):
+def check_until_decided(sweeper: str) -> None:
+    """sweep.until_decided is read by the until_decided sweeper only (`sweeper`: hydra.sweeper._target_): elsewhere
+    it would be silently ignored."""
+    if not sweeper.endswith(".UntilDecidedSweeper"):
         raise ConfigError("sweep.until_decided=true is read by the until_decided sweeper, which this run does not "
                           "use: run a sweep preset with -m (sweep=dropout ...), or add -m hydra/sweeper=until_decided.")
 

@@ -319,8 +319,8 @@ def collect_results(multirun_dir: str | Path, metric: str = DEFAULT_METRIC) -> p
     df = pd.DataFrame([load_member(d, root, metric) for d in dirs])
     if (root / RESULTS_CSV).is_file():  # a sweep continued from a copy: members whose dirs are gone count too
         gone = _csv_rows(root / RESULTS_CSV, metric)
-        have = {_run_key(s, seed) for s, seed in zip(df["setting"], df["seed"])}
-        gone = gone[[not (root / str(m)).is_dir() and _run_key(s, seed) not in have
+        have = {run_key(s, seed) for s, seed in zip(df["setting"], df["seed"])}
+        gone = gone[[not (root / str(m)).is_dir() and run_key(s, seed) not in have
                      for m, s, seed in zip(gone["member"], gone["setting"], gone["seed"])]]
         if len(gone):
             df = pd.concat([df, gone.assign(_csv=None)], ignore_index=True)
@@ -345,7 +345,7 @@ def read_sweep(root: Path, metric: str = DEFAULT_METRIC) -> tuple[pd.DataFrame, 
         return results_from_csv(root / RESULTS_CSV, metric), True
 
 
-def _run_key(setting: str, seed: Any) -> tuple[frozenset, float]:
+def run_key(setting: str, seed: Any) -> tuple[frozenset, float]:
     """One run of a sweep, whatever the order its overrides were typed in: (the setting's words, the seed)."""
     return frozenset(str(setting).split(" ")), to_float(seed)
 
