@@ -161,8 +161,8 @@ OUTSIDE = ("error: sweep.until_decided=true is read by the until_decided sweeper
     (["sweep.until_decided=true"], OUTSIDE),  # a single run
     (["-m", "dropout=0.0,0.1", "seed=0,1", "sweep.until_decided=true"], OUTSIDE),  # Hydra's basic sweeper
     (["-m", "hydra/sweeper=until_decided", "sweep.until_decided=true", "dropout=0.0,0.1", "seed=0"],
-     "error: sweep.max_seeds=20, sweep.round_seeds=2, sweep.alpha=0.05 with 1 first seeds: needs at least 2 first "
-     "seeds (seed=0,1,...), max_seeds above their number, round_seeds >= 1 and alpha in (0, 1)"),
+     ("error: sweep.max_seeds=20, sweep.round_seeds=2, sweep.alpha=0.05 with 1 first seeds: needs at least 2 first "
+      "seeds (seed=0,1,...), max_seeds above their number, round_seeds >= 1 and alpha in (0, 1)")),
 ], ids=["single run", "basic sweeper", "one first seed"])
 def test_until_decided_misused_is_refused_in_one_line_before_any_member_runs(args, line, tmp_path, toy_data_dir,
                                                                               fork_server):
