@@ -147,6 +147,10 @@ def test_a_sweep_run_until_decided_adds_seeds_only_where_needed_and_a_rerun_repl
     assert sorted(table["seed"]) == [0, 0, 1, 1, 2, 2]  # the csv's rows kept beside the new members
     report = (sweep / "report.md").read_text()
     assert "## Seeds until decided: the verdicts to read" in report and "| 2 | 3 (0-2) |" in report
+    # the rows read back from results.csv are counted, and the checks their old columns cannot support are named
+    assert ("4 of 6 members come from this dir's results.csv (their member dirs are gone); the rows of 4 of 6 "
+            "finished members predate planned_steps, so whether each of them was trained to the end is not "
+            "checked.") in report
     again = fork_server.run(cmd, cwd=tmp_path, env=env, timeout=600)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "Launching" not in again.stdout + again.stderr

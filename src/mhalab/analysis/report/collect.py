@@ -324,9 +324,11 @@ def collect_results(multirun_dir: str | Path, metric: str = DEFAULT_METRIC) -> p
                      for m, s, seed in zip(gone["member"], gone["setting"], gone["seed"])]]
         if len(gone):
             df = pd.concat([df, gone.assign(_csv=None)], ignore_index=True)
+    csv_rows = len(df) - len(dirs)
     df["setting"], common = without_common(df["setting"])
     df = df[RESULT_COLUMNS + ["_csv"]]
     df.attrs["common"] = common  # what every member was run with: the report says it once
+    df.attrs["csv_rows"] = csv_rows  # rows read from results.csv: the report says how many
     return df
 
 

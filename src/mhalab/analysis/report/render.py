@@ -146,14 +146,20 @@ def render_markdown(df: pd.DataFrame, summary: pd.DataFrame, verdicts: list[Verd
           "never used for selection."), ""]
     if df.attrs.get("common"):  # left out of the setting labels below
         L += [f"Every member: `{' '.join(df.attrs['common'])}`.", ""]
-    if df.attrs.get("from_csv"):
-        missing = [c for c in ("val_majority_acc", "val_classes_predicted", "planned_steps") if df[c].isna().all()]
+    csv_rows = df.attrs.get("csv_rows", 0)  # a sweep continued from a results.csv: rows whose member dirs are gone
+    if df.attrs.get("from_csv") or csv_rows:
+        checks = ("val_majority_acc", "val_classes_predicted", "planned_steps")
+        lacking = df.loc[ok, list(checks)].isna()  # finished rows written before these columns existed
+        missing = [c for c in checks if lacking[c].any()]
+        n, whole = int(lacking.any(axis=1).sum()), int(ok.sum())
         unchecked = " and ".join(x for x, cols in (("learned", ("val_majority_acc", "val_classes_predicted")),
                                                    ("was trained to the end", ("planned_steps",)))
                                  if set(cols) & set(missing))
-        L += [("Written from this dir's results.csv: its member dirs are gone"
-               + (f"; the file predates {', '.join(missing)}, so whether each model {unchecked} is not checked"
-                  if missing else "") + "."), ""]
+        which = (f"the file predates {', '.join(missing)}, so whether each model" if n == whole else
+                 f"the rows of {n} of {whole} finished members predate {', '.join(missing)}, so whether each of them")
+        L += [("Written from this dir's results.csv: its member dirs are gone" if df.attrs.get("from_csv") else
+               f"{csv_rows} of {len(df)} members come from this dir's results.csv (their member dirs are gone)")
+              + (f"; {which} {unchecked} is not checked" if missing else "") + ".", ""]
     L += list(sequential)
     L += ["## Scale measured", ""] + _scale_lines(df, metric, margin) + [""]
 

@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import functools
 import itertools
+import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -183,11 +185,8 @@ def read_looks(df: pd.DataFrame, looks: list[list[int]], planned: tuple[int, ...
 RECORD = "sequential.json"  # a sweep run until decided: its design and looks (the until_decided sweeper writes it)
 
 
-def read_record(root) -> tuple[dict, list[list[int]]] | None:
+def read_record(root: Path) -> tuple[dict, list[list[int]]] | None:
     """(design, each look's seeds) of a sweep dir run until decided, or None."""
-    import json
-    from pathlib import Path
-
     path = Path(root) / RECORD
     if not path.is_file():
         return None
