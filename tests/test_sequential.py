@@ -18,6 +18,7 @@ from mhalab.analysis.report.sequential import (
     boundaries,
     decide,
     design_alpha,
+    new_design,
     planned_looks,
     read_looks,
     t_critical,
@@ -104,7 +105,7 @@ def test_read_looks_keeps_a_decided_comparison_and_extends_only_the_undecided_gr
         vals[(0.0, s)] = luck[s] + rng.normal(0, 0.001)
         vals[(0.2, s)] = luck[s] + 0.10 + rng.normal(0, 0.02)  # noisy against 0.1: undecided
     df = _table(vals)
-    reads = read_looks(df, [list(range(5)), list(range(7)), list(range(9))], planned_looks(5, 2, 9), 0.05, "val/acc")
+    reads = read_looks(df, [list(range(5)), list(range(7)), list(range(9))], new_design(5, 2, 9, 0.05, None, "val/acc"))
     first, last = reads[0]["claims"]["dropout_0.1"], reads[-1]["claims"]["dropout_0.1"]
     by_alt = {c["alternative"]: c for c in last["comparisons"]}
     assert by_alt["dropout=0"]["outcome"] == BETTER and by_alt["dropout=0"]["decided_at"] == 0
@@ -194,7 +195,7 @@ def test_the_claims_table_reads_a_sweep_run_until_decided_from_its_repeated_inte
         {"design": {"first": 5, "round_seeds": 2, "max_seeds": 20, "alpha": 0.05, "planned": list(LOOKS)},
          "looks": [{"seeds": [0, 1, 2, 3, 4]}]}))
     df = pd.read_csv(folder / "results.csv")
-    look = read_looks(df, [[0, 1, 2, 3, 4]], LOOKS, 0.05, "val/acc")[0]["claims"]["dropout_0.1"]
+    look = read_looks(df, [[0, 1, 2, 3, 4]], new_design(5, 2, 20, 0.05, None, "val/acc"))[0]["claims"]["dropout_0.1"]
     closest = min(look["comparisons"], key=lambda c: c["effect"])
     table = render(tmp_path, baselines=None)
     assert (f"| **inconclusive** (seeds until decided: look 1 of 9) | {closest['effect'] * 100:+.1f} "

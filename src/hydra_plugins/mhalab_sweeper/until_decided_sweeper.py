@@ -46,16 +46,15 @@ class UntilDecidedSweeper(BasicSweeper):
         if not opts.get("until_decided", False):
             return super().sweep(arguments)
         from mhalab.analysis.report import DEFAULT_METRIC
+        from mhalab.analysis.report import sequential as seq
         from mhalab.analysis.report.collect import NoMembersError, read_sweep
-        from mhalab.analysis.report.sequential import RECORD, planned_looks, read_looks
-        from mhalab.analysis.report.stats import CONTRADICTED, INCONCLUSIVE, NO_DIFFERENCE, SUPPORTED
-
-        decided = (SUPPORTED, CONTRADICTED, NO_DIFFERENCE)
 
         parser = OverridesParser.create(config_loader=self.hydra_context.config_loader)
         jobs = self.split_arguments(parser.parse_overrides([*self._parse_config(), *arguments]), None)[0]
         seeds = sorted({int(o.split("=", 1)[1]) for job in jobs for o in job if o.startswith("seed=")})
         max_seeds, round_seeds, alpha = int(opts.max_seeds), int(opts.round_seeds), float(opts.alpha)
+        margin = None if opts.get("margin") is None else float(opts.margin)
+        extend_to = None if opts.get("extend_to") is None else int(opts.extend_to)
         if not seeds:  # one line and exit 2 before any member runs, as mhalab.errors does for every user error
             exit_with(ConfigError("sweep.until_decided=true adds seeds to a sweep over seeds: give the first ones "
                               "(hydra.sweeper.params.seed=0,1,2,3,4, as the sweep presets do)"))
@@ -63,14 +62,32 @@ class UntilDecidedSweeper(BasicSweeper):
             exit_with(ConfigError(f"sweep.max_seeds={max_seeds}, sweep.round_seeds={round_seeds}, "
                                   f"sweep.alpha={alpha} with {len(seeds)} first seeds: needs at least 2 first seeds "
                                   "(seed=0,1,...), max_seeds above their number, round_seeds >= 1 and alpha in (0, 1)"))
+        if margin is not None and not margin > 0:
+            exit_with(ConfigError(f"sweep.margin={margin} must be > 0: the smallest difference that matters, in "
+                                  "points of accuracy (null: 1)"))
+        root = Path(str(self.config.hydra.sweep.dir))
+        design = seq.new_design(len(seeds), round_seeds, max_seeds, alpha, margin, DEFAULT_METRIC)
+        try:  # the design is fixed at the first look: a re-run reads it, and only sweep.extend_to changes it
+            if record := seq.read_record(root):
+                if record["looks"] and record["looks"][0] != seeds:
+                    raise ConfigError(f"seed={','.join(map(str, seeds))}: this sweep's first look ran seeds "
+                                      f"{','.join(map(str, record['looks'][0]))} ({seq.RECORD}); give those")
+                seq.check_design(record["design"], design, extend_to)
+                design = record["design"]
+                if extend_to is not None and extend_to > seq.max_at(design, len(record["looks"])):
+                    design = seq.extend(design, record["looks"], extend_to)
+            elif extend_to is not None:
+                raise ConfigError(f"sweep.extend_to={extend_to} extends a sweep already run until decided, and "
+                                  f"{root} has no {seq.RECORD}: for a new sweep give sweep.max_seeds={extend_to}")
+        except ConfigError as e:
+            exit_with(e)
         templates = {}  # a setting's key -> its job's overrides, seed last
         for job in jobs:
             rest = [o for o in job if not o.startswith("seed=")]
             templates.setdefault(_key(rest, 0)[0], rest)
-        planned = planned_looks(len(seeds), round_seeds, max_seeds)
-        root = Path(str(self.config.hydra.sweep.dir))
         root.mkdir(parents=True, exist_ok=True)
         OmegaConf.save(self.config, root / "multirun.yaml")
+        command = self._command(root)
 
         active, looks, returns, job_idx = set(templates), [], [], 0
         while True:
@@ -91,22 +108,25 @@ class UntilDecidedSweeper(BasicSweeper):
                 returns.append(results)
             looks.append(list(seeds))
             df = read_sweep(root)[0]
-            read = read_looks(df, looks, planned, alpha, DEFAULT_METRIC)
-            last = read[-1]
-            verdicts = [c["verdict"] for c in last["claims"].values()]
-            stop = INCONCLUSIVE not in verdicts or len(seeds) >= max_seeds
-            why = ("max_seeds" if INCONCLUSIVE in verdicts else "no claim" if not verdicts
-                   else "decided" if all(v in decided for v in verdicts) else "not decidable: see the report")
-            (root / RECORD).write_text(json.dumps(
-                {"design": {"first": planned[0], "round_seeds": round_seeds, "max_seeds": max_seeds, "alpha": alpha,
-                            "planned": list(planned), "metric": DEFAULT_METRIC},
+            read = seq.read_looks(df, looks, design)
+            last, stop = read[-1], seq.stop_reason(read, design, df)
+            (root / seq.RECORD).write_text(json.dumps(
+                {"design": design, "command": command,
                  "looks": [{"seeds": x["seeds"], "verdicts": {k: c["verdict"] for k, c in x["claims"].items()}}
                            for x in read],
-                 "stopped": why if stop else None}, indent=2))
+                 "stopped": stop}, indent=2))
             log.info("look %d (%d seeds): %s", len(looks), len(seeds),
                      "; ".join(f"{c['claim']}: {c['verdict']}" for c in last["claims"].values()) or "no claim")
             if stop:
+                log.info("stopped: %s", seq.stop_words(stop, read, design, command))
                 return returns
             rows = df.loc[last["undecided_rows"]]
             active = {_key(str(o).split(" "), 0)[0] for o in rows["overrides"]} & set(templates)
-            seeds = seeds + list(range(max(seeds) + 1, max(seeds) + 1 + min(round_seeds, max_seeds - len(seeds))))
+            room = seq.max_at(design, len(looks)) - len(seeds)  # under the max_seeds in force at the next look
+            seeds = seeds + list(range(max(seeds) + 1, max(seeds) + 1 + min(round_seeds, room)))
+
+    def _command(self, root: Path) -> str:
+        """The command that runs this sweep again (and so continues it): the overrides as typed, into its dir."""
+        given = [str(o) for o in self.config.hydra.overrides.hydra if not str(o).startswith("hydra.sweep.dir=")]
+        return " ".join(["mhalab-train -m", *given, *map(str, self.config.hydra.overrides.task),
+                         f"hydra.sweep.dir={root}"])

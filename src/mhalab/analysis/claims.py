@@ -20,6 +20,7 @@ import pandas as pd
 
 from mhalab.analysis.options import doc, emit, parse, split_dir
 from mhalab.analysis.report import sequential
+from mhalab.analysis.report.collect import read_sweep
 from mhalab.analysis.report.render import RESULTS_CSV, p_cell
 from mhalab.analysis.report.stats import (
     margin_units,
@@ -79,7 +80,7 @@ def regime(data: str) -> str:
 
 def sweep_rows(data: str, preset: str, csv: Path, margin: float | None) -> tuple[list[ClaimRow], dict]:
     """(one row per covered claim, the sweep's summary row)."""
-    df = pd.read_csv(csv)
+    df = read_sweep(csv.parent, METRIC)[0]  # checked as the report checks it (report.integrity)
     ok = valid_mask(df)
     summary = summarize_settings(df, METRIC)
     top = top_settings(summary)
@@ -94,9 +95,10 @@ def sweep_rows(data: str, preset: str, csv: Path, margin: float | None) -> tuple
                                                best["test_acc_mean"])}
     last = {}
     if record := sequential.read_record(csv.parent):  # seeds until decided: its looks give the verdicts to read
-        design, looks = record
-        reads = sequential.read_looks(df, looks, tuple(design["planned"]), design["alpha"], METRIC, margin)
-        last = {k: {**c, "look": reads[-1]["look"], "of": len(design["planned"])}
+        design = record["design"]
+        sequential.check_reading(design, METRIC, margin)
+        reads = sequential.read_looks(df, record["looks"], design)
+        last = {k: {**c, "look": reads[-1]["look"], "of": len(sequential.planned_of(design))}
                 for k, c in reads[-1]["claims"].items()}
         info["until_decided"] = f" sweep.until_decided=true sweep.max_seeds={design['max_seeds']}"
     rows = [ClaimRow(order, data, preset, v, info["scale"], info["cpu_h"], last.get(v.key))

@@ -129,19 +129,23 @@ def write_report(multirun_dir: str | Path, metric: str = DEFAULT_METRIC, margin:
         raise ConfigError(f"metric={metric} is a test metric, and selecting by one would leak the test set "
                           "into the choice: give a validation metric (metric=val/acc or metric=val/loss)")
     root = Path(multirun_dir).resolve()
+    if margin is not None and not margin > 0:
+        raise ConfigError(f"margin={margin} must be > 0: the smallest difference that matters (default 1 point of "
+                          "an accuracy, 0.01 of a loss)")
+    record = sequential.read_record(root)  # a sweep run until decided: its design is fixed, its looks give the verdicts
+    if record:  # before anything is read or written
+        sequential.check_reading(record["design"], metric, margin)
+        margin = record["design"]["margin"]
     # members gone (a copy under results/): the report again from its results.csv, under today's rules; the
     # validation curves need the members' logs, so their plot stays as it was
     df, from_csv = read_sweep(root, metric)
     summary = summarize_settings(df, metric)
-    if margin is not None and not margin > 0:
-        raise ConfigError(f"margin={margin} must be > 0: the smallest difference that matters (default 1 point of "
-                          "an accuracy, 0.01 of a loss)")
     verdicts = compute_verdicts(df, metric, margin)
     seq = None
-    if record := sequential.read_record(root):  # a sweep run until decided: its looks give the verdicts to read
-        design, looks = record
-        seq = {"design": design, "looks": sequential.read_looks(df, looks, tuple(design["planned"]),
-                                                                 design["alpha"], metric, margin)}
+    if record:
+        seq = {"design": record["design"], "looks": sequential.read_looks(df, record["looks"], record["design"]),
+               "command": record["command"]}
+        seq["stopped"] = sequential.stop_reason(seq["looks"], seq["design"], df)
 
     results_csv = root / RESULTS_CSV
     _for_csv(df[RESULT_COLUMNS]).to_csv(results_csv, index=False)
@@ -163,7 +167,8 @@ def write_report(multirun_dir: str | Path, metric: str = DEFAULT_METRIC, margin:
     name = report_name(multirun_dir, df)
     scale, unit = points_scale(metric)
     report_md.write_text(render_markdown(df, summary, verdicts, metric, name, plots, margin_units(metric, margin),
-                                         sequential.markdown(seq["looks"], seq["design"], scale, unit) if seq else []))
+                                         sequential.markdown(seq["looks"], seq["design"], seq["command"], df, scale, unit) if seq
+                                         else []))
     verdicts_json = root / VERDICTS_JSON
     verdicts_json.write_text(json.dumps(_json_safe({"metric": metric, "margin": margin_units(metric, margin),
                                                     "verdicts": [v.to_dict() for v in verdicts],
@@ -196,6 +201,7 @@ def write_report(multirun_dir: str | Path, metric: str = DEFAULT_METRIC, margin:
         "verdicts": [v.to_dict() for v in verdicts],
         "verdict_by_claim": {v.key: v.verdict for v in verdicts},
         "sequential": seq,
+        "notes": df.attrs.get("notes", []),
     }
 
 
@@ -233,6 +239,8 @@ def main(argv: list[str] | None = None) -> int:
     opts = parse(ReportOptions, words, "mhalab-report", USAGE)
     res = write_report(sweep_dir, metric=opts.metric, margin=opts.margin)
     print(f"members: {res['n_members']} ({res['n_finished']} finished, {len(res['failed'])} failed or incomplete)")
+    for note in res["notes"]:  # what report.integrity normalised before averaging
+        print(f"note: {note}")
     if res["best_setting"] or res["tied"] or res["withheld"]:
         print(best_line(res))
     scale, unit = points_scale(res["metric"])
@@ -251,6 +259,9 @@ def main(argv: list[str] | None = None) -> int:
             cis = ", ".join(f"vs {x['alternative']} [{x['low'] * scale:+.2f}, {x['high'] * scale:+.2f}] {x['outcome']}"
                             for x in c["comparisons"] if math.isfinite(x["low"]))
             print(f"  {c['claim']}: {c['verdict']}" + (f" ({cis})" if cis else ""))
+        stop = seq["stopped"]
+        print(f"  {'stopped' if stop else 'not stopped'}: "
+              f"{sequential.stop_words(stop, seq['looks'], seq['design'], seq['command'])}")
     print(f"wrote {res['results_csv']}")
     print(f"wrote {res['verdicts_json']}")
     print(f"wrote {res['report_md']}")

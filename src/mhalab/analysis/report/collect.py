@@ -32,6 +32,7 @@ import numpy as np
 import pandas as pd
 
 from mhalab.analysis.report import trained
+from mhalab.analysis.report.integrity import check_rows
 from mhalab.analysis.report.stats import DEFAULT_METRIC, higher_is_better
 from mhalab.analysis.report.values import finite, natural_key, parse_value, to_float
 from mhalab.errors import RunDirError
@@ -326,7 +327,7 @@ def collect_results(multirun_dir: str | Path, metric: str = DEFAULT_METRIC) -> p
             df = pd.concat([df, gone.assign(_csv=None)], ignore_index=True)
     csv_rows = len(df) - len(dirs)
     df["setting"], common = without_common(df["setting"])
-    df = df[RESULT_COLUMNS + ["_csv"]]
+    df = df.reindex(columns=RESULT_COLUMNS + ["_csv", "_line"])
     df.attrs["common"] = common  # what every member was run with: the report says it once
     df.attrs["csv_rows"] = csv_rows  # rows read from results.csv: the report says how many
     return df
@@ -338,13 +339,15 @@ CSV_MONITORED = {"val/acc": "best_val_acc", "val/loss": "best_val_loss"}
 
 def read_sweep(root: Path, metric: str = DEFAULT_METRIC) -> tuple[pd.DataFrame, bool]:
     """(the results table, whether it came from results.csv alone): collect_results, or, for a dir whose members are
-    all gone (a copy under results/, or a sweep to be continued from one), its results.csv."""
+    all gone (a copy under results/, or a sweep to be continued from one), its results.csv; checked and normalised
+    by integrity.check_rows before anything reads it (what it normalised: the table's attrs["notes"])."""
     try:
-        return collect_results(root, metric), False
+        df, from_csv = collect_results(root, metric), False
     except NoMembersError:
         if not (root / RESULTS_CSV).is_file():
             raise
-        return results_from_csv(root / RESULTS_CSV, metric), True
+        df, from_csv = results_from_csv(root / RESULTS_CSV, metric), True
+    return check_rows(df, metric), from_csv
 
 
 def run_key(setting: str, seed: Any) -> tuple[frozenset, float]:
@@ -358,7 +361,7 @@ def results_from_csv(path: Path, metric: str = DEFAULT_METRIC) -> pd.DataFrame:
     change results, columns added since it was written left empty. metric: one the file holds (CSV_MONITORED)."""
     df = _csv_rows(path, metric)
     df["setting"], common = without_common(df["setting"])
-    df = df[RESULT_COLUMNS].assign(_csv=None)
+    df = df[RESULT_COLUMNS + ["_line"]].assign(_csv=None)
     df.attrs.update(common=common, from_csv=True)
     return df
 
@@ -379,7 +382,8 @@ def _csv_rows(path: Path, metric: str) -> pd.DataFrame:
     df["monitored"] = pd.to_numeric(df[CSV_MONITORED[metric]], errors="coerce")
     df["setting"] = [setting_of(str(o).split(" ")) if isinstance(o, str) and o else s
                      for o, s in zip(df["overrides"], df["setting"])]
-    return df[RESULT_COLUMNS]
+    df["_line"] = df.index + 2  # the row's line in the file (the header is line 1): what an error names
+    return df[RESULT_COLUMNS + ["_line"]]
 
 
 def without_common(settings: pd.Series) -> tuple[pd.Series, list[str]]:

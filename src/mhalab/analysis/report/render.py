@@ -160,6 +160,8 @@ def render_markdown(df: pd.DataFrame, summary: pd.DataFrame, verdicts: list[Verd
         L += [("Written from this dir's results.csv: its member dirs are gone" if df.attrs.get("from_csv") else
                f"{csv_rows} of {len(df)} members come from this dir's results.csv (their member dirs are gone)")
               + (f"; {which} {unchecked} is not checked" if missing else "") + ".", ""]
+    if notes := df.attrs.get("notes"):  # what report.integrity normalised before averaging
+        L += ["Normalised before averaging: " + "; ".join(notes) + ".", ""]
     L += list(sequential)
     L += ["## Scale measured", ""] + _scale_lines(df, metric, margin) + [""]
 
