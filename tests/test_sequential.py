@@ -18,6 +18,7 @@ from mhalab.analysis.report.sequential import (
     boundaries,
     decide,
     design_alpha,
+    extended_boundaries,
     new_design,
     planned_looks,
     read_looks,
@@ -201,3 +202,137 @@ def test_the_claims_table_reads_a_sweep_run_until_decided_from_its_repeated_inte
     assert (f"| **inconclusive** (seeds until decided: look 1 of 9) | {closest['effect'] * 100:+.1f} "
             f"[{closest['low'] * 100:+.1f}, {closest['high'] * 100:+.1f}] repeated CI vs dropout=0.2 |") in table
     assert closest["high"] - closest["low"] > 0.1  # 5 of 20 seeds: the first look's interval is wide
+
+
+def test_a_design_changed_after_looking_errs_more_than_alpha_and_extend_to_keeps_alpha():
+    """The audit's case: the SST-2 dropout design (looks at 5, 7, ..., 19, 20 seeds) still undecided at 20 seeds and
+    re-run with max_seeds=30. Replaying every look under the new plan errs ~7% for 5%; extended_boundaries (the looks
+    taken keep their boundaries, only the alpha not yet spent goes to the new looks) stays at alpha: at 20 seeds the
+    plan has spent all of it, and an extension after look 5 (13 seeds) spreads what is left over looks to 30."""
+    rng = np.random.default_rng(11)  # other draws than design_alpha's calibration
+    draws, alpha = 60_000, 0.05
+    d = rng.normal(0.0, 1.7, (draws, 30))  # no effect: any "better" or "worse" is false
+    tabs = {n: np.abs(d[:, :n].mean(1)) / (d[:, :n].std(1, ddof=1) / math.sqrt(n)) for n in range(2, 31)}
+    level = design_alpha(LOOKS, alpha)
+
+    def false_rate(ns, zs, before=None):
+        wrong = np.zeros(draws, bool) if before is None else before.copy()
+        for n, z in zip(ns, zs):
+            wrong |= tabs[n] >= t_critical(z, n - 1)
+        return wrong
+
+    se = math.sqrt(alpha * (1 - alpha) / draws)
+    planned = false_rate(LOOKS, boundaries(tuple(n / 20 for n in LOOKS), level))
+    assert abs(planned.mean() - alpha) < 2 * se  # the plan as run
+    looks30 = planned_looks(5, 2, 30)
+    replayed = false_rate(looks30, boundaries(tuple(n / 30 for n in looks30), design_alpha(looks30, alpha)), planned)
+    assert replayed.mean() > alpha + 15 * se  # the audit's 7.1-7.4%: changing the design silently
+    at_max = (*LOOKS, 22, 24, 26, 28, 30)
+    zs = extended_boundaries(at_max, (20,) * len(LOOKS) + (30,) * 5, level)
+    assert zs[:len(LOOKS)] == pytest.approx(boundaries(tuple(n / 20 for n in LOOKS), level))
+    assert all(math.isinf(z) for z in zs[len(LOOKS):])  # nothing left to spend after the plan's last look
+    assert false_rate(at_max, zs).mean() <= alpha + 2 * se
+    midway = (*LOOKS[:5], *range(15, 30, 2), 30)
+    zs = extended_boundaries(midway, (20,) * 5 + (30,) * (len(midway) - 5), level)
+    assert zs[:5] == pytest.approx(boundaries(tuple(n / 20 for n in LOOKS), level)[:5])  # the looks taken, held
+    assert false_rate(midway, zs).mean() <= alpha + 2 * se
+
+
+def _committed_copy(tmp_path: Path, seeds: int | None = None) -> Path:
+    folder = tmp_path / "dropout"
+    folder.mkdir()
+    df = pd.read_csv(REPO / "results/sweeps/sst2/dropout/results.csv")
+    (df if seeds is None else df[df["seed"] < seeds]).to_csv(folder / "results.csv", index=False)
+    (folder / "sequential.json").write_text((REPO / "results/sweeps/sst2/dropout/sequential.json").read_text())
+    return folder
+
+
+def test_a_report_with_another_margin_or_metric_than_the_design_is_refused_in_one_line(tmp_path, capsys):
+    """The audit's `mhalab-report <dir> margin=2` read the committed SST-2 dropout sweep as "no practical difference"
+    at look 7 (it ran to look 8 under +-1): now one line naming the recorded margin, and nothing written."""
+    from mhalab.analysis.report import main
+
+    folder = _committed_copy(tmp_path)
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    for words, line in ((["margin=2"], "error: margin=2: this sweep ran until decided with margin 1 (its "
+                                       "sequential.json, fixed at its first look); its looks hold only under that "
+                                       "design: drop margin="),
+                        (["metric=val/loss"], "error: metric=val/loss: this sweep ran until decided on metric=val/acc "
+                                              "(its sequential.json); its looks hold only under that design: drop "
+                                              "metric=")):
+        with pytest.raises(SystemExit) as exit_:
+            main([str(folder), *words])
+        assert exit_.value.code == 2
+        assert capsys.readouterr().err.strip() == line
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
+    assert main([str(folder), "margin=1"]) == 0  # the recorded margin, given: read as recorded
+
+
+def test_why_an_until_decided_sweep_stopped_is_said_with_the_budget_left(tmp_path):
+    """The committed SST-2 dropout sweep: decided at look 8 with 16 of its 80 members unused. Its first 7 seeds read
+    under a 7-seed design: the budget is reached with the claim still inconclusive, and the design has nothing left."""
+    from mhalab.analysis.report.collect import read_sweep
+    from mhalab.analysis.report.sequential import read_record, stop_reason, stop_words
+
+    folder = _committed_copy(tmp_path)
+    record = read_record(folder)
+    df = read_sweep(folder)[0]
+    reads = read_looks(df, record["looks"], record["design"])
+    stop = stop_reason(reads, record["design"], df)
+    assert (stop["why"], stop["look"], stop["seeds"], stop["unused"], stop["budget"]) == ("decided", 8, 19, 16, 80)
+    assert stop_reason(reads[:7], record["design"], df) is None  # look 7 of 9: it goes on
+    small = new_design(5, 2, 7, 0.05, None, "val/acc")
+    reads = read_looks(df, [list(range(5)), list(range(7))], small)
+    stop = stop_reason(reads, small, df)
+    assert stop["why"] == "max_seeds" and stop["unused"] == 0
+    assert "spent all of its alpha" in stop_words(stop, reads, small, None)
+    report = (folder / "report.md")
+    from mhalab.analysis.report import write_report
+
+    write_report(folder)
+    assert ("**Why it stopped:** every claim decided (look 8, 19 seeds of the 20 the design allows); 16 of the "
+            "budget's 80 members left unused.") in report.read_text()
+
+
+def _run_refused(args: list[str], sweep: Path, tmp_path: Path, toy_data_dir: Path, fork_server) -> str:
+    cmd = [sys.executable, str(REPO / "train.py"), "-m", "hydra/sweeper=until_decided", "sweep.until_decided=true",
+           "sweep.round_seeds=1", f"hydra.sweep.dir={sweep}", f"paths.data_dir={toy_data_dir}", "trainer=cpu",
+           "dropout=0.0,0.1", "seed=0,1", *args]
+    proc = fork_server.run(cmd, cwd=tmp_path, env=dict(os.environ, PYTHONHASHSEED="0"), timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert not list(sweep.glob("*/metrics.json"))  # no member ran
+    return proc.stderr.strip().splitlines()[-1]
+
+
+def test_a_rerun_with_another_design_is_refused_and_a_spent_design_cannot_be_extended(tmp_path, toy_data_dir,
+                                                                                      fork_server):
+    sweep = tmp_path / "sweep"
+    sweep.mkdir()
+    design = new_design(2, 1, 3, 0.05, None, "val/acc")
+    record = {"design": design, "looks": [{"seeds": [0, 1]}, {"seeds": [0, 1, 2]}]}  # reached its max_seeds
+    (sweep / "sequential.json").write_text(json.dumps(record))
+    assert _run_refused(["sweep.max_seeds=4"], sweep, tmp_path, toy_data_dir, fork_server) == (
+        "error: sweep.max_seeds=4: this sweep ran until decided with sweep.max_seeds=3 (its sequential.json, fixed at "
+        "its first look); a design changed after looking no longer holds its error rate: give sweep.max_seeds=3, or "
+        "extend it on purpose with sweep.extend_to=4 (docs/sweeps.md)")
+    assert _run_refused(["sweep.max_seeds=3", "sweep.margin=2"], sweep, tmp_path, toy_data_dir, fork_server) == (
+        "error: sweep.margin=2.0: this sweep ran until decided with sweep.margin=1.0 (its sequential.json, fixed at "
+        "its first look); a design changed after looking no longer holds its error rate: give sweep.margin=1.0 "
+        "(docs/sweeps.md)")
+    assert _run_refused(["sweep.max_seeds=3", "sweep.extend_to=5"], sweep, tmp_path, toy_data_dir, fork_server) == (
+        "error: sweep.extend_to=5: this sweep reached its max_seeds=3 at look 2 and spent all of alpha=0.05 there, so "
+        "no seed added now can decide a claim at that level (docs/sweeps.md): to test it again, run a new sweep with "
+        "other seeds (seed=3,4,...) in a new hydra.sweep.dir")
+
+
+def test_extend_to_adds_looks_after_those_taken_and_records_them():
+    from mhalab.analysis.report.sequential import check_design, extend, max_at, planned_of
+
+    design = new_design(5, 2, 20, 0.05, None, "val/acc")
+    taken = [list(range(n)) for n in (5, 7, 9)]  # interrupted after look 3
+    longer = extend(design, taken, 30)
+    assert planned_of(longer) == [5, 7, 9, *range(11, 30, 2), 30]
+    assert [max_at(longer, k) for k in (0, 2, 3)] == [20, 20, 30]
+    check_design(longer, design, extend_to=30)  # the same command, extend_to kept: accepted
+    with pytest.raises(ValueError, match="was extended to 30 seeds at look 4 .* give sweep.extend_to=30"):
+        check_design(longer, design)

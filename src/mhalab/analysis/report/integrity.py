@@ -95,8 +95,9 @@ def _duplicates(df: pd.DataFrame, metric: str, notes: list[str]) -> pd.DataFrame
                 f"with different {metric} ({', '.join(f'{v:g}' for v in values)}; {_names(df, list(group.index))}): "
                 "a seed is one sample; keep the row of the run you trust and remove the other")
         dropped += list(group.index[1:])
-    notes.append(f"{len(dropped)} rows repeated another row's setting, seed and {metric} exactly "
-                 f"({_names(df, dropped)}); each is counted once")
+    many = len(dropped) > 1
+    notes.append(f"{len(dropped)} row{'s' * many} repeated another row's setting, seed and {metric} exactly "
+                 f"({_names(df, dropped)}); {'each' if many else 'it'} is counted once")
     out = df.drop(index=dropped)
     out.attrs = dict(df.attrs)
     return out
