@@ -58,8 +58,8 @@ def test_an_exact_duplicate_row_is_counted_once_and_the_report_says_so(tmp_path)
     folder = _sweep(tmp_path, lambda df: pd.concat([df, df.iloc[[3]]]))
     df = read_sweep(folder)[0]
     assert len(df) == len(pd.read_csv(COMMITTED))
-    assert df.attrs["notes"] == ["1 row repeated another row's setting, seed and val/acc exactly (results.csv line "
-                                 "66); it is counted once"]
+    assert df.attrs["notes"] == [("1 row repeated another row's setting, seed and val/acc exactly (results.csv line "
+                                 "66); it is counted once")]
     report_main([str(folder)])
     assert ("Normalised before averaging: 1 row repeated another row's setting, seed and val/acc exactly (results.csv "
             "line 66); it is counted once.") in (folder / "report.md").read_text()

@@ -254,12 +254,12 @@ def test_a_report_with_another_margin_or_metric_than_the_design_is_refused_in_on
 
     folder = _committed_copy(tmp_path)
     before = {p.name: p.read_bytes() for p in folder.iterdir()}
-    for words, line in ((["margin=2"], "error: margin=2: this sweep ran until decided with margin 1 (its "
+    for words, line in ((["margin=2"], ("error: margin=2: this sweep ran until decided with margin 1 (its "
                                        "sequential.json, fixed at its first look); its looks hold only under that "
-                                       "design: drop margin="),
-                        (["metric=val/loss"], "error: metric=val/loss: this sweep ran until decided on metric=val/acc "
+                                       "design: drop margin=")),
+                        (["metric=val/loss"], ("error: metric=val/loss: this sweep ran until decided on metric=val/acc "
                                               "(its sequential.json); its looks hold only under that design: drop "
-                                              "metric=")):
+                                              "metric="))):
         with pytest.raises(SystemExit) as exit_:
             main([str(folder), *words])
         assert exit_.value.code == 2
