@@ -161,13 +161,25 @@ def test_ambiguous_columns_are_one_line_listing_them_and_naming_the_keys(tmp_pat
     assert rows_of(dm) and dm.label_names == TOPICS  # the keys it names are the fix
 
 
+def test_a_bad_row_is_named_by_its_line_in_the_file_even_after_a_quoted_line_break(tmp_path):
+    """The audit's case: an empty text on line 6 (the 5th data row) was reported as "row 4"; a quoted cell that spans
+    two lines moves every later line by one."""
+    train = tmp_path / "q.csv"
+    train.write_text('text,label\na good film,1\na bad film,0\n"a long\nfilm",1\nok,0\n,1\nnice,1\n')
+    with pytest.raises(DataError, match=r"^train line 7 of q file '.*q.csv': text column 'text' is empty"):
+        rows_of(dm_for(tmp_path, files={"train": str(train)}))
+    train.write_text("text,label\na good film,1\na bad film,0\nfine,1\nok,0\n,1\nnice,1\n")
+    with pytest.raises(DataError, match=r"^train line 6 of q file"):
+        rows_of(dm_for(tmp_path, files={"train": str(train)}))
+
+
 def test_a_test_label_train_never_saw_is_an_error_naming_it_the_split_and_file(tmp_path):
     train = write(tmp_path / "train.csv", news_rows(10))
     test = write(tmp_path / "test.csv", news_rows(2) + [("rain all week, the day said", "weather")])
     dm = dm_for(tmp_path, files={"train": str(train), "test": str(test)})
     with pytest.raises(DataError) as e:
         rows_of(dm)
-    assert str(e.value) == (f"test row 6 of {tmp_path.name} file '{test}': label 'weather' in column 'category' is "
+    assert str(e.value) == (f"test line 8 of {tmp_path.name} file '{test}': label 'weather' in column 'category' is "
                             f"not one of the train split's labels {TOPICS}; fix the file, or add train rows with that "
                             f"label (the label set is train's).")
 

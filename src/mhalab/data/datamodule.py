@@ -40,6 +40,7 @@ from mhalab.data.reading import (
     check_files,
     check_stream,
     clean_rows,
+    file_line,
     load_table,
     read_columns,
     resolve_data_dir,
@@ -211,6 +212,8 @@ class TextClassificationDataModule(L.LightningDataModule):
                 split=split, where=where, text_column=self.text_column, label_column=self.label_column,
                 label_names=self.label_names if self._labels_are_names else None, num_classes=self.num_classes,
                 on_bad_rows=self.on_bad_rows, names_only=self._names_only,
+                line_of=(lambda row, path=path: file_line(path, self.format, row, self.delimiter, self.quoting,
+                                                          self.encoding)) if self._paths is not None else None,
             )
         if self.dev_split:
             texts, labels = raw["train"]

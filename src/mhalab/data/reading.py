@@ -336,23 +336,55 @@ def _allowed(label_names: list[str] | None, num_classes: int, names_only: bool =
     return index, f"the integers 0..{num_classes - 1}", fix
 
 
+def file_line(path: Path, format: str, row: int, delimiter: str = ",", quoting: int = 0,
+              encoding: str = "utf-8") -> int | None:
+    """The line of the file where data row `row` (0-based) starts, for an error to name (a quoted csv cell may span
+    lines, and JSON lines may be blank: the file is read again to count, on the error path only); None for a
+    format without lines (parquet)."""
+    with _named_errors(path, encoding), _open_text(path, encoding) as f:
+        if format in ("csv", "tsv"):
+            reader = csv.reader(f, delimiter=delimiter, quoting=quoting)
+            before, i = 0, -1  # lines read before the record; records, the header being -1 (blank lines skipped)
+            for record in reader:
+                if record:
+                    if i == row:
+                        return before + 1
+                    i += 1
+                before = reader.line_num
+            return None
+        if format in ("json", "jsonl", "ndjson"):
+            seen = -1
+            for n, line in enumerate(f, 1):
+                seen += bool(line.strip())
+                if seen == row:
+                    return n
+    return None
+
+
 def clean_rows(
     texts: list, raw_labels: list, *, split: str, where: str, text_column: str, label_column: str,
     label_names: list[str] | None, num_classes: int, on_bad_rows: str = "error", names_only: bool = False,
+    line_of=None,
 ) -> tuple[list[str], list[int]]:
     """Texts and label indices of a split, with rows whose text is missing or blank either raised
     (on_bad_rows='error') or dropped with a WARNING (on_bad_rows='drop'). Bad labels always raise:
     dropping them would hide a label_names / num_classes misconfiguration. `names_only`: the label
-    names were inferred from train, and a value matches its name (label_key) only."""
+    names were inferred from train, and a value matches its name (label_key) only. `line_of(row)`: the file's
+    line of a data row (file_line), which an error names; without it, the row's place counted from 1."""
     index, allowed, fix = _allowed(label_names, num_classes, names_only)
     out_texts, out_labels, dropped = [], [], 0
+
+    def at(row: int) -> str:
+        line = line_of(row) if line_of else None
+        return f"line {line}" if line is not None else f"data row {row + 1}"
+
     for row, (text, label) in enumerate(zip(texts, raw_labels)):
         if text is None or not str(text).strip():
             if on_bad_rows == "drop":
                 dropped += 1
                 continue
             raise DataError(
-                f"{split} row {row} of {where}: text column '{text_column}' is {'missing' if text is None else 'empty'} "
+                f"{split} {at(row)} of {where}: text column '{text_column}' is {'missing' if text is None else 'empty'} "
                 f"({text!r}); fix the file, or set data.on_bad_rows=drop to drop such rows with a warning."
             )
         key = label_key(label) if names_only else label.strip() if isinstance(label, str) else label
@@ -360,7 +392,7 @@ def clean_rows(
             out_labels.append(index[key])
         except (KeyError, TypeError):  # TypeError: unhashable values (lists in JSON)
             raise DataError(
-                f"{split} row {row} of {where}: label {label!r} in column '{label_column}' is not one of {allowed}; "
+                f"{split} {at(row)} of {where}: label {label!r} in column '{label_column}' is not one of {allowed}; "
                 f"{fix}."
             ) from None
         out_texts.append(str(text))

@@ -105,6 +105,10 @@ def summary(rec: dict, out: Path) -> str:
     trained = rec.get("trained") or {}
     if trained:
         lines.append(f"  trained {extent.training_line(trained)}")
+    if model := rec.get("model"):
+        implicit = " (dim / heads)" if model.get("head_dim_from") == "dim / heads" else ""
+        lines.append(f"  model  dim {model['dim']}, {model['heads']} heads of head_dim {model['head_dim']}{implicit}, "
+                     f"{model['layers']} layer{'s' * (model['layers'] != 1)}")
     if best.get("checkpoint"):
         when = ""
         if "epoch" in best:
@@ -115,6 +119,8 @@ def summary(rec: dict, out: Path) -> str:
             lines.append(f"  {split:<6} {text}")
     if "test/acc" not in best:
         lines.append("  test   not run (test_after_fit=false, or the data have no test split)")
+    if note := extent.resolution_note(((trained.get("evaluated") or {}).get("validation") or [None])[0]):
+        lines.append(f"  note   {note}")
     files = [f for f in ("metrics.json", "loss_curves.png", "confusion_test.png", "logs/metrics.csv") if (out / f).exists()]
     lines.append(f"  files  {', '.join(files)}")
     return "\n".join(lines)

@@ -32,6 +32,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from mhalab.errors import RunDirError, UserError
+from mhalab.nn.attention import check_heads
 from mhalab.train import checkpoint, pretrain, record
 from mhalab.train.callbacks import GracefulStop, LogEveryEpoch, ResumeState
 from mhalab.train.callbacks.memory import peak_memory_mb, reset_peak_memory
@@ -236,6 +237,10 @@ def _fit_and_test(cfg: DictConfig, out: Path, rec: dict, stop: GracefulStop, ckp
     dm, module = build(cfg, None if ckpt_path is not None else pretrain.stage(cfg))
     if rec:  # the data set as resolved: absolute paths, the columns and labels data=files found
         rec["data"] = module.checkpoint_extras["data"]
+        m = cfg.model  # the attention's shape as built: head_dim is dim / heads unless model.head_dim sets it
+        rec["model"] = {"dim": m.dim, "heads": m.heads, "layers": m.layers,
+                        "head_dim": check_heads(m.dim, m.heads, ("dim", "heads"), m.get("head_dim")),
+                        "head_dim_from": "model.head_dim" if m.get("head_dim") is not None else "dim / heads"}
         if "pretrain" in module.checkpoint_extras:  # where the encoder came from, and what pretraining cost
             rec["pretrain"] = module.checkpoint_extras["pretrain"]
 

@@ -63,7 +63,7 @@ from mhalab.analysis.report.stats import (
     top_settings,
     valid_mask,
 )
-from mhalab.analysis.report.trained import best_withheld, presets
+from mhalab.analysis.report.trained import best_withheld, not_trained_mask, presets
 from mhalab.analysis.report.values import fmt_num
 from mhalab.analysis.report.verdicts import compute_verdicts, plan_words
 from mhalab.errors import ConfigError, one_line_errors
@@ -78,6 +78,7 @@ __all__ = ["CONTRADICTED", "DEFAULT_METRIC", "INCONCLUSIVE", "NOT_COVERED", "NOT
            "training_val_rows", "write_report"]
 
 INT_COLUMNS = ("seed", "params", "epochs", "global_step", "best_epoch", "dim", "heads", "layers", "ff_dim",
+               "train_size", "val_size", "test_size",
                "batch_size", "max_epochs", "max_len", "planned_steps", "steps_per_epoch", "validations")
 
 
@@ -151,12 +152,13 @@ def write_report(multirun_dir: str | Path, metric: str = DEFAULT_METRIC, margin:
     _for_csv(df[RESULT_COLUMNS]).to_csv(results_csv, index=False)
 
     plots: dict[str, Path] = {}
+    unfinished = not_trained_mask(df, margin_units(metric, margin))  # the plots mark them
     if from_csv and (root / PLOT_VAL_LOSS).is_file():
         plots["val_loss"] = root / PLOT_VAL_LOSS
     for key, fname, fn in (
-        *((("val_loss", PLOT_VAL_LOSS, lambda p: plot_val_loss_curves(df, p)),) if not from_csv else ()),
-        ("acc_vs_swept", PLOT_ACC_VS_SWEPT, lambda p: plot_acc_vs_swept(df, summary, p)),
-        ("acc_vs_wall_time", PLOT_ACC_VS_WALL, lambda p: plot_acc_vs_wall_time(df, p)),
+        *((("val_loss", PLOT_VAL_LOSS, lambda p: plot_val_loss_curves(df, p, unfinished)),) if not from_csv else ()),
+        ("acc_vs_swept", PLOT_ACC_VS_SWEPT, lambda p: plot_acc_vs_swept(df, summary, p, unfinished)),
+        ("acc_vs_wall_time", PLOT_ACC_VS_WALL, lambda p: plot_acc_vs_wall_time(df, p, unfinished)),
     ):
         try:
             plots[key] = fn(root / fname)

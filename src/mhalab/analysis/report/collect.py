@@ -50,7 +50,8 @@ RESULT_COLUMNS = [
     "wall_time_s", "tokens_per_s", "status", "error",
     "monitored", "best_val_loss", "best_epoch", "final_val_acc", "test_f1", "test_loss", "global_step",
     "padding_fraction", "dim", "heads", "head_dim", "layers", "ff_dim", "ff_ratio", "dropout", "lr",
-    "batch_size", "max_epochs", "max_len", "dataset", "attention", "pos", "device",
+    "batch_size", "max_epochs", "max_len", "dataset", "data_files", "train_size", "val_size", "test_size",
+    "attention", "pos", "device",
     "val_majority_acc", "val_classes_predicted", *trained.COLUMNS,
 ]
 
@@ -270,12 +271,18 @@ def load_member(member_dir: Path, root: Path, metric: str = DEFAULT_METRIC) -> d
     row["batch_size"] = to_float(_cfg_get(cfg, "batch_size"))
     row["max_epochs"] = to_float(_cfg_get(cfg, "max_epochs"))
     row["max_len"] = to_float(_cfg_get(cfg, "max_len"))
-    head_dim = to_float(_cfg_get(cfg, "head_dim"))  # model.head_dim; null: dim / heads
+    built = rec["model"] if isinstance(rec["model"], dict) else {}  # the shape as built (records since head_dim)
+    head_dim = to_float(built.get("head_dim", _cfg_get(cfg, "head_dim")))  # model.head_dim; null: dim / heads
     row["head_dim"] = head_dim if finite(head_dim) else (row["dim"] / row["heads"] if row["heads"] and row["heads"] > 0
                                                          else math.nan)
     row["ff_ratio"] = row["ff_dim"] / row["dim"] if row["dim"] and row["dim"] > 0 else math.nan
     data_cfg = cfg.get("data") if isinstance(cfg.get("data"), dict) else {}
-    row["dataset"] = data_cfg.get("name")
+    resolved = rec["data"] if isinstance(rec["data"], dict) else {}  # data=files: the name and files it found
+    row["dataset"] = resolved.get("name") or data_cfg.get("name")
+    if isinstance(files := resolved.get("files"), dict):  # the files' names only: a report names no machine's path
+        row["data_files"] = " ".join(f"{k}={Path(str(v)).name}" for k, v in files.items() if v)
+    sizes = ((rec["trained"] or {}) if isinstance(rec["trained"], dict) else {}).get("split_sizes") or {}
+    row["train_size"], row["val_size"], row["test_size"] = (sizes.get(s) for s in ("train", "validation", "test"))
     row["attention"] = _cfg_get(cfg, "attention")
     row["pos"] = _cfg_get(cfg, "pos")
     # did it learn? the validation split's majority-class share, and how many classes the best checkpoint predicts

@@ -68,7 +68,17 @@ def _setting_colors(df: pd.DataFrame) -> dict[str, Any]:
     return dict(zip(settings, _colors(len(settings))))
 
 
-def plot_val_loss_curves(df: pd.DataFrame, path: Path) -> Path:
+UNFINISHED = "not trained to the end"  # the members the plots mark (report.trained says which)
+
+
+def _mark_unfinished(ax, x: pd.Series, y: pd.Series, unfinished: pd.Series) -> None:
+    """A red ring around each member not trained to the end: its point is not a finished model's."""
+    if unfinished.any():
+        ax.scatter(x[unfinished], y[unfinished], s=140, facecolors="none", edgecolors="red", linewidths=1.5,
+                   label=f"{int(unfinished.sum())} {UNFINISHED} (ringed, each at its value)", zorder=5)
+
+
+def plot_val_loss_curves(df: pd.DataFrame, path: Path, unfinished: pd.Series | None = None) -> Path:
     curves = []
     for _, r in df.iterrows():
         csv = read_metrics_csv(Path(r["_csv"])) if isinstance(r.get("_csv"), str) else None
@@ -87,9 +97,13 @@ def plot_val_loss_curves(df: pd.DataFrame, path: Path) -> Path:
     for r, v in curves:
         x = v["epoch"] if use_epoch else v.get("step", pd.Series(range(len(v)), index=v.index))
         s = r["setting"]
+        cut = unfinished is not None and bool(unfinished.get(r.name, False))  # dotted: not trained to the end
         ax.plot(x, pd.to_numeric(v["val/loss"]), marker="o", ms=3, lw=1.3, alpha=0.85, color=colors[s],
-                label=None if s in labelled else short[s])
+                ls=":" if cut else "-", label=None if s in labelled else short[s])
         labelled.add(s)
+    if unfinished is not None and any(bool(unfinished.get(r.name, False)) for r, _ in curves):
+        ax.plot([], [], ls=":", color="k", label=f"dotted: {UNFINISHED}")
+        labelled.add(UNFINISHED)
     if curves:
         _legend(ax, len(labelled))
     else:
@@ -126,7 +140,10 @@ def swept_axes(settings: Iterable[str]) -> tuple[str | None, list[str]]:
     return x, [k for k in varied if k != x]
 
 
-def plot_acc_vs_swept(df: pd.DataFrame, summary: pd.DataFrame, path: Path) -> Path:
+def plot_acc_vs_swept(df: pd.DataFrame, summary: pd.DataFrame, path: Path, unfinished: pd.Series | None = None
+                      ) -> Path:
+    """Mean +- std over seeds per setting; each member not trained to the end (`unfinished`, a mask of df) ringed
+    at its own value."""
     fig, ax = _new_fig()
     ok = valid_mask(df)
     v = df[ok]
@@ -163,7 +180,11 @@ def plot_acc_vs_swept(df: pd.DataFrame, summary: pd.DataFrame, path: Path) -> Pa
                     label = f"{what}{' (' + name + ')' if name else ''}"
                     ax.errorbar(x, y, yerr=e, fmt="o" if style == "-" else "s", ls=style, color=color,
                                 capsize=4, ms=5, lw=1.4, label=label, alpha=0.9 if style == "-" else 0.6)
-        _legend(ax, 2 * len(groups))
+        if unfinished is not None:
+            cut = v[unfinished.loc[v.index] & v["setting"].isin(list(xs))]
+            _mark_unfinished(ax, cut["setting"].map(xs), pd.to_numeric(cut["best_val_acc"], errors="coerce"),
+                             pd.Series(True, index=cut.index))
+        _legend(ax, 2 * len(groups) + 1)
         if xkey is not None:
             xvals = sorted(set(xs.values()))
             if len(xvals) > 1 and all(_is_pow2(x) for x in xvals):
@@ -183,7 +204,7 @@ def plot_acc_vs_swept(df: pd.DataFrame, summary: pd.DataFrame, path: Path) -> Pa
     return path
 
 
-def plot_acc_vs_wall_time(df: pd.DataFrame, path: Path) -> Path:
+def plot_acc_vs_wall_time(df: pd.DataFrame, path: Path, unfinished: pd.Series | None = None) -> Path:
     fig, ax = _new_fig()
     v = df[valid_mask(df)]
     t = pd.to_numeric(v["wall_time_s"], errors="coerce")
@@ -197,7 +218,9 @@ def plot_acc_vs_wall_time(df: pd.DataFrame, path: Path) -> Path:
         for s, g in v[keep].groupby("setting", sort=False):
             ax.scatter(pd.to_numeric(g["wall_time_s"]), pd.to_numeric(g["best_val_acc"]), s=40,
                        color=colors[s], label=short[s], alpha=0.85, edgecolors="k", linewidths=0.4)
-        _legend(ax, v[keep]["setting"].nunique())
+        if unfinished is not None:
+            _mark_unfinished(ax, t[keep], a[keep], unfinished.loc[keep[keep].index])
+        _legend(ax, v[keep]["setting"].nunique() + 1)
         tv = t[keep]
         if tv.min() > 0 and tv.max() / tv.min() > 10:
             ax.set_xscale("log")

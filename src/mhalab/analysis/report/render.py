@@ -25,6 +25,7 @@ from mhalab.analysis.report.stats import (
 )
 from mhalab.analysis.report.values import finite, fmt_num, to_float
 from mhalab.analysis.report.verdicts import Verdict
+from mhalab.train.record import extent
 
 REPORT_MD = "report.md"
 
@@ -63,6 +64,15 @@ def _limits(df: pd.DataFrame) -> str:
     return ", ".join(out)
 
 
+def _resolution(df: pd.DataFrame, metric: str, margin: float) -> str:
+    """extent.resolution_note for the smallest validation split a finished member was evaluated on (its size times
+    the share limit_val_batches left), at the report's margin in points; '' for a metric that is not an accuracy."""
+    scale = points_scale(metric)[0]
+    ok = df[valid_mask(df)]
+    n = pd.to_numeric(ok["val_size"], errors="coerce") * pd.to_numeric(ok["val_evaluated"], errors="coerce").fillna(1)
+    return extent.resolution_note(n.min(), margin * scale) if scale == 100 and n.notna().any() else ""
+
+
 def _trained_lines(df: pd.DataFrame, metric: str, margin: float) -> list[str]:
     """What the members trained and evaluated against their plan (report.trained's columns), and who was not
     trained to the end."""
@@ -94,8 +104,13 @@ def _scale_lines(df: pd.DataFrame, metric: str, margin: float) -> list[str]:
     epochs = pd.to_numeric(df["epochs"], errors="coerce").dropna()
     params = pd.to_numeric(df["params"], errors="coerce").dropna()
     wall = pd.to_numeric(df["wall_time_s"], errors="coerce").dropna()
+    sizes = "; ".join(f"{name} {_uniq(df, col)}" for name, col in (("train", "train_size"), ("validation", "val_size"),
+                                                                   ("test", "test_size")) if df[col].notna().any())
+    files = f" (files: {_uniq(df, 'data_files')})" if df["data_files"].notna().any() else ""
     lines = [
-        f"- data set: {_uniq(df, 'dataset')}; max_len: {_uniq(df, 'max_len')}; batch_size: {_uniq(df, 'batch_size')}",
+        f"- data set: {_uniq(df, 'dataset')}{files}; max_len: {_uniq(df, 'max_len')}; batch_size: {_uniq(df, 'batch_size')}",
+        *([f"- examples per split: {sizes}"] if sizes else []),
+        *([f"- resolution: {note}"] if (note := _resolution(df, metric, margin)) else []),
         (f"- embed dim: {_uniq(df, 'dim')}; heads: {_uniq(df, 'heads')}; head_dim: {_uniq(df, 'head_dim')}; "
         f"layers: {_uniq(df, 'layers')}"),
         (f"- ff_dim: {_uniq(df, 'ff_dim')} (ff_dim/dim: {_uniq(df, 'ff_ratio')}); dropout: {_uniq(df, 'dropout')}; "

@@ -357,7 +357,7 @@ def stop_words(stop: dict | None, reads: list[dict], design: dict, command: str 
                 "so no seed added to it can decide at that level: a new sweep with other seeds (and its own design) "
                 "tests the claim again.")
     if stop["why"] == "not decided":
-        why = "; ".join(f"{claim}: {reason}" for claim, reason in stop["reasons"].items())
+        why = "; ".join(f"{claim}: {reason.rstrip('.')}" for claim, reason in stop["reasons"].items())
         return (f"not decided ({head}; {unused}): {why}. More seeds do not help; the sweep that can decide it is "
                 "another design, in a new hydra.sweep.dir.")
     return f"the sweep covers no claim of the article ({head})."

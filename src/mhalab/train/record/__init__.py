@@ -35,7 +35,7 @@ FILE = "metrics.json"
 
 # the flat keys tables read (mhalab.analysis.report, mhalab.analysis.lra); absent ones read as None
 FIELDS = ("error", "overrides", "seed", "config", "label_names", "params", "epochs", "global_step", "wall_time_s", "fit_time_s",
-          "tokens_per_s", "padding_fraction", "peak_mem_mb", "device", "pretrain", "trained")
+          "tokens_per_s", "padding_fraction", "peak_mem_mb", "device", "pretrain", "trained", "model", "data")
 
 
 def path(run_dir: str | Path) -> Path:

@@ -5,14 +5,17 @@ mhalab.train.run), read by the end-of-run summary (mhalab.train.console) and the
     "trained": {"steps": 10, "planned_steps": 770, "epochs": 1, "max_epochs": 10, "max_steps": -1,
                 "steps_per_epoch": 77, "limit_train_batches": 10, "limit_val_batches": 1.0,
                 "limit_test_batches": 5, "stopped_early": false,
-                "evaluated": {"validation": [546, 546], "test": [320, 500]}}
+                "evaluated": {"validation": [546, 546], "test": [320, 500]},
+                "split_sizes": {"train": 4906, "validation": 546, "test": 500}}
 
 * planned_steps: the optimizer steps the config asked for over the whole training split: max_epochs times an
   epoch's steps (its batches / accumulate_grad_batches), or max_steps when that is set and smaller (None when
   neither bounds the run). limit_train_batches, max_time or an interrupted attempt make a run stop short of it;
   EarlyStopping (`stopped_early`) does so on purpose: its validation metric had stopped improving.
 * evaluated: per split, the examples the record's metrics were computed on against the split's size
-  (limit_val_batches / limit_test_batches cut them).
+  (limit_val_batches / limit_test_batches cut them); split_sizes: every split's examples.
+* resolution: one validation example moves accuracy by 1 / its size; under RESOLVING_EXAMPLES (200) that is more
+  than half a sweep's 1-point margin, and the summary and the sweep report say so (resolution_note).
 """
 
 from __future__ import annotations
@@ -47,7 +50,25 @@ def measure(trainer: Any, batches: int | None, split_sizes: dict[str, int], clas
         "stopped_early": bool(stopper is not None and stopper.stopped_epoch > 0),
         "evaluated": {split: [int(sum(report["support"])), int(split_sizes[split])]
                       for split, report in class_reports.items() if split in split_sizes},
+        "split_sizes": {split: int(n) for split, n in split_sizes.items()},
     }
+
+
+MARGIN_POINTS = 1.0  # a sweep's default margin (mhalab.analysis.report.stats.DEFAULT_MARGIN), in points
+
+
+def resolving_examples(margin_points: float = MARGIN_POINTS) -> int:
+    """The validation examples at which one example moves accuracy by half the margin: 200 for 1 point."""
+    return math.ceil(2 * 100 / margin_points)
+
+
+def resolution_note(n_val: float | None, margin_points: float = MARGIN_POINTS) -> str:
+    """'' when one validation example moves accuracy by at most half the margin, else the sentence that says it."""
+    if not n_val or n_val >= resolving_examples(margin_points):
+        return ""
+    return (f"{int(n_val):,} validation examples: one example moves accuracy by {100 / n_val:.2f} points, more than "
+            f"half of a ±{margin_points:g}-point margin, so differences near it are one or two examples; "
+            f"{resolving_examples(margin_points):,} or more resolve it (a larger data.dev_split, or a validation file)")
 
 
 def stopped_short(trained: dict) -> bool:
