@@ -48,3 +48,17 @@ def test_quiet_drops_lightnings_tips_and_known_warnings_and_nothing_else(caplog)
     with caplog.at_level(logging.INFO, logger=logger.name):
         logger.info("💡 Tip: after the run")  # the filter is gone with the run
     assert caplog.records[-1].getMessage() == "💡 Tip: after the run"
+
+
+def test_the_summary_says_the_head_dim_heads_set_and_when_the_dev_set_is_too_small_for_the_margin(tmp_path):
+    """The audit's run: heads=16 at dim 128 (head_dim 8, set by dim / heads) on a 480-row CSV, whose automatic 10%
+    dev split holds 49 examples, so accuracy moves in steps of 2 points against a 1-point margin."""
+    rec = _record() | {"model": {"dim": 128, "heads": 16, "layers": 2, "head_dim": 8, "head_dim_from": "dim / heads"},
+                       "trained": {"steps": 21, "planned_steps": 21, "epochs": 3, "max_epochs": 3,
+                                   "evaluated": {"validation": [49, 49]}}}
+    text = summary(rec, tmp_path)
+    assert "  model  dim 128, 16 heads of head_dim 8 (dim / heads), 2 layers" in text.splitlines()
+    assert ("  note   49 validation examples: one example moves accuracy by 2.04 points, more than half of a ±1-point "
+            "margin, so differences near it are one or two examples; 200 or more resolve it") in text
+    rec["trained"]["evaluated"]["validation"] = [200, 200]  # one example: 0.5 point, half the margin
+    assert "  note " not in summary(rec, tmp_path)

@@ -677,3 +677,47 @@ def test_a_report_names_its_sweep_by_its_preset_or_the_dir_given_never_an_absolu
     assert report_name(tmp_path / "multirun" / "x", plain) == "multirun/x"  # inside the working dir: relative
     assert report_name("/work/main/results/sweeps/trec/heads", plain) == "trec/heads"  # outside: its last two parts
     assert report_name(".", plain) == tmp_path.name
+
+
+def _own_data_member(root: Path, name: str, heads: int, seed: int, val_acc: float, planned: int = 30) -> Path:
+    """A member of a sweep on the user's own CSV (data=files), as metrics.json records it since split sizes."""
+    d = _member(root, name, heads, seed, val_acc, 0.5)
+    rec = json.loads((d / "metrics.json").read_text())
+    rec["data"] = {"name": "questions", "files": {"train": "/home/someone/private/questions.csv"}}
+    rec["model"] = {"dim": 128, "heads": heads, "layers": 2, "head_dim": 128 // heads, "head_dim_from": "dim / heads"}
+    rec["trained"] = {"steps": 30, "planned_steps": planned, "epochs": 3, "max_epochs": 3, "steps_per_epoch": 10,
+                      "evaluated": {"validation": [49, 49]}, "split_sizes": {"train": 431, "validation": 49}}
+    (d / "metrics.json").write_text(json.dumps(rec))
+    return d
+
+
+def test_an_own_data_sweep_report_names_its_files_split_sizes_and_a_dev_set_too_small_for_the_margin(tmp_path):
+    for heads in (2, 16):
+        for seed in range(2):
+            _own_data_member(tmp_path, f"heads={heads},seed={seed}", heads, seed, 0.70 + 0.02 * seed)
+    res = write_report(tmp_path)
+    text = res["report_md"].read_text()
+    assert "- data set: questions (files: train=questions.csv); max_len: " in text  # was "data set: ?"
+    assert "- examples per split: train 431; validation 49" in text
+    assert ("- resolution: 49 validation examples: one example moves accuracy by 2.04 points, more than half of a "
+            "±1-point margin") in text
+    assert "/home/someone" not in text  # the files' names, never a machine's path
+    assert sorted(pd.read_csv(res["results_csv"])["head_dim"].unique()) == [8, 64]  # from the model as built
+
+
+def _red_pixels(png: Path) -> int:
+    from matplotlib.image import imread
+
+    img = imread(png)[..., :3]
+    return int(((img[..., 0] > 0.9) & (img[..., 1] < 0.2) & (img[..., 2] < 0.2)).sum())
+
+
+def test_the_plots_ring_the_members_not_trained_to_the_end(tmp_path):
+    for heads in (2, 8):
+        for seed in range(2):
+            _own_data_member(tmp_path / "cut", f"heads={heads},seed={seed}", heads, seed, 0.7 + 0.01 * seed,
+                             planned=60 if (heads, seed) == (8, 1) else 30)  # one member ran 30 of 60 steps
+            _own_data_member(tmp_path / "whole", f"heads={heads},seed={seed}", heads, seed, 0.7 + 0.01 * seed)
+    for plot in ("acc_vs_swept", "acc_vs_wall_time"):
+        cut, whole = (write_report(tmp_path / d)["plots"][plot] for d in ("cut", "whole"))
+        assert _red_pixels(cut) > 100 and _red_pixels(whole) == 0, plot

@@ -22,6 +22,7 @@ from mhalab.analysis.report.sequential import (
     new_design,
     planned_looks,
     read_looks,
+    stop_words,
     t_critical,
 )
 from mhalab.analysis.report.stats import BETTER, EQUIVALENT, UNCLEAR, WORSE
@@ -142,7 +143,8 @@ def test_a_sweep_run_until_decided_adds_seeds_only_where_needed_and_a_rerun_repl
     record = json.loads((sweep / "sequential.json").read_text())
     assert [look["seeds"] for look in record["looks"]] == [[0, 1], [0, 1, 2]]
     assert record["looks"][0]["verdicts"] == {"dropout_0.1": "inconclusive"}
-    assert record["design"]["planned"] == [2, 3] and record["stopped"] is not None
+    assert record["design"]["planned"] == [2, 3] and record["stopped"]["why"] == "not decided"  # its new members ran 2 batches
+    assert f"stopped: {stop_words(record['stopped'], [], record['design'], record['command'])}" in proc.stdout
     members = sorted(p.name.split(",~")[0] for p in sweep.iterdir() if (p / "metrics.json").is_file())
     assert members == ["dropout=0.0,seed=2", "dropout=0.1,seed=2"]  # only the new seed: seeds 0-1 came from the csv
     table = pd.read_csv(sweep / "results.csv")
