@@ -8,7 +8,8 @@ own, forked from one that has imported what the commands import (tests/fork_serv
 `make` lines start their own. What is appended, and why:
 - training runs (`python train.py`, `make train`): 2 batches of 4 examples of train / val / test, 1 epoch, no bar
   (the long-sequence sweeps and the pretrainings spend their time computing, not starting);
-- sweeps (`-m`, `sweep=`, `hparams_search=`): also `seed=0` (one seed per setting) and 2 Optuna trials;
+- sweeps (`-m`, `sweep=`, `hparams_search=`): also `seed=0` (one seed per setting) and 2 Optuna trials; a sweep
+  run until decided gets 2 first seeds and a budget of 3;
   a sweep a later `mhalab-ensemble runs=` line reads gets `seed=0,1,2` instead (an ensemble of 3 members);
 - GPU-sized lines (`experiment=article`, `*_gpu`): the CPU, float32, batches of 4 x 32 tokens and one
   layer of the article's width (dim 512, 8 heads, ff 2048): each checkpoint of six would be 230 MB;
@@ -67,6 +68,8 @@ VENV = Path(sys.executable).parent.parent
 TINY = ["++trainer.limit_train_batches=2", "++trainer.limit_val_batches=2", "++trainer.limit_test_batches=2",
         "max_epochs=1", "batch_size=4", "trainer.enable_progress_bar=false"]
 SWEEP = ["seed=0"]
+# a sweep run until decided needs 2 first seeds; a budget of 3 keeps it to one round at most
+UNTIL_DECIDED = ["seed=0,1", "sweep.max_seeds=3", "sweep.round_seeds=1"]
 ON_CPU = ["trainer.accelerator=cpu", "trainer.precision=32-true", "trainer.devices=1", "batch_size=4",
           "max_len=32", "layers=1"]
 BENCH = "seq_lens=[64] reps=1 warmup=0 memory=false"
@@ -184,7 +187,8 @@ def _expand(words: list[str], state: dict) -> tuple[list[str], str]:
     if any(key in line for key in COMPOSE_ONLY):
         return [*cmd, "--cfg", "job"], "compose"
     sweep = " -m" in f" {line} " or "sweep=" in line or "hparams_search=" in line
-    seeds = ENSEMBLE_SEEDS if any(f"hydra.sweep.dir={d}" in words for d in ENSEMBLED) else SWEEP
+    seeds = (ENSEMBLE_SEEDS if any(f"hydra.sweep.dir={d}" in words for d in ENSEMBLED) else
+             UNTIL_DECIDED if "sweep.until_decided=true" in words else SWEEP)
     extra = TINY + (seeds if sweep else []) + (["hydra.sweeper.n_trials=2"] if "hparams_search=" in line else [])
     if "experiment=article" in line or "_gpu" in line:
         extra += ON_CPU

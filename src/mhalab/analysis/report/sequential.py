@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
-from scipy import integrate, optimize, stats
+from scipy import integrate, optimize, special, stats
 
 from mhalab.analysis.report.stats import (
     BETTER,
@@ -94,7 +94,8 @@ def _solve(fractions: tuple[float, ...], cumulative: tuple[float, ...], fixed: t
         if xs is None:
             dens = stats.norm.pdf(grid, scale=math.sqrt(t))
         else:
-            kernel = stats.norm.pdf((grid[:, None] - xs[None, :]) / sd) / sd  # (GRID new, GRID old)
+            u = (grid[:, None] - xs[None, :]) / sd
+            kernel = np.exp(-0.5 * u * u) / (sd * math.sqrt(2 * math.pi))  # the normal pdf (GRID new, GRID old)
             dens = integrate.simpson(kernel * dens[None, :], x=xs, axis=1)
         xs, t_prev, cum_prev = grid, t, cumulative[k]
         out.append(c)
@@ -132,7 +133,7 @@ def _first_exit(c: float, t: float, sd: float, xs: np.ndarray, dens: np.ndarray,
     """P(no earlier exit, |Z_k| >= c) - target: the density still going at the last look (xs, dens) times the chance
     of crossing now."""
     b = c * math.sqrt(t)
-    p = stats.norm.sf((b - xs) / sd) + stats.norm.cdf((-b - xs) / sd)
+    p = special.ndtr((xs - b) / sd) + special.ndtr((-b - xs) / sd)  # P(cross above) + P(cross below)
     return float(integrate.simpson(dens * p, x=xs)) - target
 
 
