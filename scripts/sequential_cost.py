@@ -65,15 +65,15 @@ def main(argv: list[str]) -> int:
         key, value = word.split("=", 1)
         opts[key] = type(opts[key])(value) if key in opts else value
     sd, margin, draws, alpha = float(opts["sd"]), float(opts["margin"]), int(opts["draws"]), 0.05
-    seq = lambda d, looks, a: run_sequential(d, looks, a, margin, int(opts["calibration"]))  # noqa: E731
+    seq = lambda d, looks, a: run_sequential(d, looks, a, margin, int(opts["calibration"]))
     rng = np.random.default_rng(2026)
     L = ["# Seeds until decided against a fixed sample, at matched power", "",
-         f"Written by `python scripts/sequential_cost.py sd={sd:g} margin={margin:g} draws={draws}`: one comparison "
+         (f"Written by `python scripts/sequential_cost.py sd={sd:g} margin={margin:g} draws={draws}`: one comparison "
          f"of paired per-seed differences spread by {sd:g} points, margin ±{margin:g} point, {draws:,} simulated "
          "sweeps per cell (standard error of a rate ≤ 0.4 points). Power = a \"claimed better\" at a true effect of "
-         "the margin; false = a \"better\" or \"worse\" with no effect; seeds = the mean seeds per group used.", "",
-         "| design | alpha per comparison | max seeds | power at the margin | seeds at the margin | "
-         "seeds with no effect | false better/worse | equivalent with no effect |",
+         "the margin; false = a \"better\" or \"worse\" with no effect; seeds = the mean seeds per group used."), "",
+         ("| design | alpha per comparison | max seeds | power at the margin | seeds at the margin | "
+         "seeds with no effect | false better/worse | equivalent with no effect |"),
          "|---|---|---|---|---|---|---|---|"]
     for m in (1, 3):
         a = alpha / m
@@ -103,10 +103,10 @@ def main(argv: list[str]) -> int:
             L.append(f"| until decided, m = 3, max_seeds 20 (SST-2 dropout's design) | {a:.4f} | 20 | "
                      f"{np.mean(out_e == BETTER):.1%} | {used_e.mean():.1f} | {used_n.mean():.1f} | "
                      f"{np.isin(out_n, [BETTER, WORSE]).mean():.1%} | {np.mean(out_n == EQUIVALENT):.1%} |")
-    L += ["", "Read: at matched power the sequential design stops early when there is an effect, and saves little "
+    L += ["", ("Read: at matched power the sequential design stops early when there is an effect, and saves little "
           "or nothing when there is none (deciding \"equivalent\" needs an interval narrower than the margin, which "
           "takes as many seeds either way). A smaller max_seeds spends less but has less power: the SST-2 dropout "
-          "design's row.", ""]
+          "design's row."), ""]
     text = "\n".join(L)
     print(text)
     if opts["out"]:
