@@ -4,13 +4,16 @@ groups of the claims still inconclusive and stops when each claim is decided or 
     mhalab-train sweep=dropout data=sst2 sweep.until_decided=true sweep.max_seeds=20
 
 The sweep's own seeds (``seed: 0,1,2,3,4`` in the preset) are the first look. After each round the sweep is read
-by mhalab.analysis.report.sequential (repeated confidence intervals with O'Brien-Fleming-type alpha spending, which
-hold the error rate however many looks are taken); the next round runs ``sweep.round_seeds`` new seeds of the
+by mhalab.analysis.report.sequential (repeated confidence intervals with O'Brien-Fleming-type alpha spending,
+calibrated to about alpha over the planned looks); the next round runs ``sweep.round_seeds`` new seeds of the
 settings in the groups of undecided comparisons only (the claimed group and the alternatives not yet decided).
-Each look's seeds and outcome are written to ``<sweep dir>/sequential.json``, which mhalab-report reads. A member
-already finished is never run again, and the finished rows of a results.csv in the sweep dir whose member dirs are
-gone count as members (copy a committed results.csv into the dir to continue its sweep). The rounds are a function
-of the results, so a stopped sweep re-run with the same command replays its looks and goes on where it stopped.
+The design (first seeds, round_seeds, max_seeds, alpha, margin) is fixed at the first look: ``<sweep
+dir>/sequential.json`` records it with each look's seeds and outcome and why the sweep stopped, a re-run with
+another design is refused in one line, and only ``sweep.extend_to=N`` extends it (spending the alpha not yet
+spent). A member already finished is never run again, and the finished rows of a results.csv in the sweep dir whose
+member dirs are gone count as members (copy a committed results.csv into the dir to continue its sweep). The rounds
+are a function of the results, so a stopped sweep re-run with the same command replays its looks and goes on
+where it stopped; its last log line says why it stopped.
 
 conf/train.yaml selects this sweeper for every multirun (``hydra/sweeper: until_decided``); with
 ``sweep.until_decided=false`` (the default) it is Hydra's BasicSweeper, unchanged.

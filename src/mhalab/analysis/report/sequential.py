@@ -3,9 +3,12 @@
 Looking at a fixed-sample 95% interval after every round of seeds and stopping at the first one that decides
 makes a false decision far more often than 5% (tests/test_sequential.py measures it). This module keeps the rate
 with **repeated confidence intervals** (Jennison & Turnbull 1989; *Group Sequential Methods*, 2000, ch. 9): at
-look k the interval is ``effect +- c_k * se``, with boundaries c_1 > c_2 > ... chosen so that, when the true effect
-is anywhere, all the looks' intervals cover it together with probability >= 1 - alpha. A decision taken from any
-look's interval is therefore wrong with probability <= alpha, whenever the sweep stops, for whatever reason.
+look k the interval is ``effect +- c_k * se``, with boundaries c_1 > c_2 > ... chosen so that, under the normal
+model, all the looks' intervals cover the true effect together with probability 1 - alpha. Seeds are few, so the
+intervals use Student's t and the level is calibrated by simulation of the planned looks (design_alpha): the false-
+decision rate is about alpha on the plan, not a bound. The design (first seeds, round_seeds, max_seeds, alpha,
+margin, metric) is fixed at the first look and recorded (new_design, check_design); sweep.extend_to changes it
+only by spending the alpha not yet spent (extended_boundaries).
 
 * Boundaries: Lan & DeMets (1983) alpha spending with the O'Brien-Fleming-type function, alpha / 2 a side,
   ``alpha_side(t) = 2 - 2 Phi(z_{1-alpha/4} / sqrt(t))`` at information fraction ``t = seeds / max_seeds`` (a seed's
@@ -16,7 +19,7 @@ look's interval is therefore wrong with probability <= alpha, whenever the sweep
 * Seeds are few, so the variance is estimated: c_k is taken at its nominal tail level on Student's t with the
   look's degrees of freedom (Jennison & Turnbull 2000, sec. 3.8 and 9.3). The simulation test checks the rate.
 * A claim's m compared alternatives share alpha by Bonferroni (alpha / m each): the claim's false-decision rate is
-  then <= alpha. A comparison is decided at the first look whose interval lies within +-margin (equivalent) or
+  then about alpha or less. A comparison is decided at the first look whose interval lies within +-margin (equivalent) or
   excludes 0 (better / worse), and stays decided (the coverage is simultaneous); the claim's verdict follows from
   its comparisons by the fixed-sample rule (stats.verdict_of).
 """
@@ -108,10 +111,12 @@ def extended_boundaries(ns: tuple[int, ...], maxes: tuple[int, ...], alpha: floa
     or one extended by sweep.extend_to). Under the first max_seeds they are the plan's (boundaries at n / max). After
     an extension to N the looks already taken keep their boundaries and the level they spent; the level not yet
     spent is spent over the new looks (fractions n / N) in the O'Brien-Fleming shape, rescaled to end at alpha when
-    N seeds are reached: the total chance of a false exit stays alpha (the spending function may change for looks
-    not yet taken, the looks taken being held fixed: Lan & DeMets 1989, *Stat. Med.* 8:1191; Proschan, Lan & Wittes
-    2006, *Statistical Monitoring of Clinical Trials*, sec. 5.2). A design that reached its max_seeds has spent all
-    of alpha: later looks get infinite boundaries."""
+    N seeds are reached: the total chance of a false exit stays alpha (the looks and spending still to come may
+    change while those taken are held fixed: Lan & DeMets 1989, *Biometrics* 45:1017; Proschan, Lan & Wittes 2006,
+    *Statistical Monitoring of Clinical Trials*, ch. 5). This holds when the choice to extend does not depend on how
+    near an interval came to deciding (a budget decision); an extension chosen for that reason needs the conditional
+    error principle (Mueller & Schaefer 2001, *Biometrics* 57:886), which is not built. A design that reached its
+    max_seeds has spent all of alpha: later looks get infinite boundaries."""
     cs: tuple[float, ...] = ()
     cumulative: tuple[float, ...] = ()  # the level spent up to each look
     start = 0
