@@ -15,8 +15,9 @@ member dirs are gone count as members (copy a committed results.csv into the dir
 are a function of the results, so a stopped sweep re-run with the same command replays its looks and goes on
 where it stopped; its last log line says why it stopped.
 
-conf/train.yaml selects this sweeper for every multirun (``hydra/sweeper: until_decided``); with
-``sweep.until_decided=false`` (the default) it is Hydra's BasicSweeper, unchanged.
+The sweep presets select this sweeper (conf/sweep/cpu_scale.yaml and gpu_scale.yaml); a plain ``-m`` sweep names
+it (``-m hydra/sweeper=until_decided``). With ``sweep.until_decided=false`` (the default) it is Hydra's
+BasicSweeper, unchanged.
 """
 
 from __future__ import annotations
