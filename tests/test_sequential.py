@@ -338,3 +338,16 @@ def test_extend_to_adds_looks_after_those_taken_and_records_them():
     check_design(longer, design, extend_to=30)  # the same command, extend_to kept: accepted
     with pytest.raises(ValueError, match="was extended to 30 seeds at look 4 .* give sweep.extend_to=30"):
         check_design(longer, design)
+
+
+def test_the_claims_table_at_another_margin_does_not_read_a_sequential_sweeps_looks(tmp_path):
+    """mhalab-claims margin=0.5 over the committed sweeps: the SST-2 dropout sweep ran until decided at +-1 point, so
+    its row says it is not read there (its looks hold under its own design only); the other rows are read."""
+    from mhalab.analysis.claims import render
+
+    folder = tmp_path / "sst2"
+    folder.mkdir()
+    _committed_copy(folder)
+    text = render(tmp_path, margin=0.5, baselines=None)
+    assert "| **not read** (run until decided at ±1 point: not read at another margin) |" in text
+    assert "(seeds until decided: look 8 of 9)" in render(tmp_path, baselines=None)

@@ -96,10 +96,15 @@ def sweep_rows(data: str, preset: str, csv: Path, margin: float | None) -> tuple
     last = {}
     if record := sequential.read_record(csv.parent):  # seeds until decided: its looks give the verdicts to read
         design = record["design"]
-        sequential.check_reading(design, METRIC, margin)
-        reads = sequential.read_looks(df, record["looks"], design)
-        last = {k: {**c, "look": reads[-1]["look"], "of": len(sequential.planned_of(design))}
-                for k, c in reads[-1]["claims"].items()}
+        try:
+            sequential.check_reading(design, METRIC, margin)
+            reads = sequential.read_looks(df, record["looks"], design)
+            last = {k: {**c, "look": reads[-1]["look"], "of": len(sequential.planned_of(design))}
+                    for k, c in reads[-1]["claims"].items()}
+        except ConfigError:  # another margin than its design's: its looks are not read, and its row says so
+            fixed = fmt_num(sequential.DEFAULT_MARGIN if design.get("margin") is None else design["margin"])
+            last = {v.key: {"not_read": f"run until decided at ±{fixed} point: not read at another margin"}
+                    for v in compute_verdicts(df, METRIC, margin) if v.covered}
         info["until_decided"] = f" sweep.until_decided=true sweep.max_seeds={design['max_seeds']}"
     rows = [ClaimRow(order, data, preset, v, info["scale"], info["cpu_h"], last.get(v.key))
             for order, v in enumerate(compute_verdicts(df, METRIC, margin)) if v.covered]
@@ -163,7 +168,9 @@ def claim_table(rows: list[ClaimRow], scale: float) -> list[str]:
         if finite(v.seeds_needed):
             plan = f"~{int(v.seeds_needed)} seeds" + (f", {v.cpu_hours_needed:.1f} h" if finite(v.cpu_hours_needed)
                                                        else "")
-        if (seq := r.sequential) and seq["comparisons"]:  # the repeated interval, at the look the sweep stopped
+        if (seq := r.sequential) and "not_read" in seq:
+            verdict, eff, h, plan = f"**not read** ({seq['not_read']})", "–", None, "–"
+        elif (seq := r.sequential) and seq["comparisons"]:  # the repeated interval, at the look the sweep stopped
             c = min(seq["comparisons"], key=lambda x: x["effect"])
             verdict = f"**{seq['verdict']}** (seeds until decided: look {seq['look']} of {seq['of']})"
             eff = (f"{c['effect'] * scale:+.1f} [{c['low'] * scale:+.1f}, {c['high'] * scale:+.1f}] repeated CI "
