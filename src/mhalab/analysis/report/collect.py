@@ -34,7 +34,7 @@ import pandas as pd
 from mhalab.analysis.report import trained
 from mhalab.analysis.report.integrity import check_rows
 from mhalab.analysis.report.stats import DEFAULT_METRIC, higher_is_better
-from mhalab.analysis.report.values import finite, natural_key, parse_value, to_float
+from mhalab.analysis.report.values import finite, natural_key, parse_value, run_key, to_float
 from mhalab.errors import RunDirError
 from mhalab.train import record
 from mhalab.train.config import CONF_DIR
@@ -355,11 +355,6 @@ def read_sweep(root: Path, metric: str = DEFAULT_METRIC) -> tuple[pd.DataFrame, 
             raise
         df, from_csv = results_from_csv(root / RESULTS_CSV, metric), True
     return check_rows(df, metric), from_csv
-
-
-def run_key(setting: str, seed: Any) -> tuple[frozenset, float]:
-    """One run of a sweep, whatever the order its overrides were typed in: (the setting's words, the seed)."""
-    return frozenset(str(setting).split(" ")), to_float(seed)
 
 
 def results_from_csv(path: Path, metric: str = DEFAULT_METRIC) -> pd.DataFrame:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import pandas as pd
 
 from mhalab.analysis.report.stats import points_scale, valid_mask
-from mhalab.analysis.report.values import fmt_num, to_float
+from mhalab.analysis.report.values import fmt_num, run_key, to_float
 from mhalab.errors import DataError
 
 ACCURACIES = ("best_val_acc", "final_val_acc", "test_acc")  # fractions in [0, 1], whatever the monitored metric
@@ -82,12 +82,13 @@ def _accuracies(df: pd.DataFrame, metric: str) -> None:
 def _duplicates(df: pd.DataFrame, metric: str, notes: list[str]) -> pd.DataFrame:
     """Finished rows of one (setting, seed): identical ones counted once, differing ones refused."""
     ok = df[valid_mask(df)]
-    keys = [(frozenset(str(s).split(" ")), seed) for s, seed in zip(ok["setting"], ok["seed"])]
-    dup = pd.Series(keys, index=ok.index).duplicated(keep=False)
+    keys = pd.Series([str(sorted(words)) + f" seed={seed}" for words, seed in map(run_key, ok["setting"], ok["seed"])],
+                     index=ok.index)  # whatever the order the overrides were typed in
+    dup = keys.duplicated(keep=False)
     if not dup.any():
         return df
     dropped = []
-    for _, group in ok[dup].groupby([ok["setting"][dup], ok["seed"][dup].astype(str)], sort=False):
+    for _, group in ok[dup].groupby(keys[dup], sort=False):
         values = pd.to_numeric(group["monitored"], errors="coerce")
         if values.nunique() > 1:
             raise SweepDataError(

@@ -42,3 +42,8 @@ def parse_value(text: str) -> Any:
         return float(text)
     except ValueError:
         return text
+
+
+def run_key(setting: str, seed: Any) -> tuple[frozenset, float]:
+    """One run of a sweep, whatever the order its overrides were typed in: (the setting's words, the seed)."""
+    return frozenset(str(setting).split(" ")), to_float(seed)
