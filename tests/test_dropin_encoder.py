@@ -226,11 +226,11 @@ def test_torch_jit_script_gives_the_eager_numbers_dropout_included(what, mode):
         model, call = TransformerEncoderLayer(E, H, FF, batch_first=True), lambda m: m(x, src_key_padding_mask=pad)
     elif what == "stack":
         model = TransformerEncoder(TransformerEncoderLayer(E, H, FF, batch_first=True), 2)
-        call = lambda m: m(x, mask=CAUSAL.isinf(), src_key_padding_mask=pad)  # noqa: E731
+        call = lambda m: m(x, mask=CAUSAL.isinf(), src_key_padding_mask=pad)
     elif what == "attention kdim":
         model = MultiHeadAttention(E, H, 0.1, kdim=6, vdim=5, average_attn_weights=True)
         k, v = torch.randn(B, L, 6), torch.randn(B, L, 5)
-        call = lambda m: m(x, k, v, key_padding_mask=pad)[0]  # noqa: E731
+        call = lambda m: m(x, k, v, key_padding_mask=pad)[0]
     else:
         model, call = Model(), lambda m: m(x, pad)
     eager = copy.deepcopy(model).train(mode == "train")  # scripting a model puts PyTorch's modules into it
@@ -263,7 +263,7 @@ def test_torch_jit_script_refuses_what_pytorchs_modules_cannot_express_naming_to
         "per-head weights": MultiHeadAttention(E, H),  # the article's default, average_attn_weights=False
         "unpad=True": TransformerEncoder(TransformerEncoderLayer(E, H, FF, batch_first=True), 2, unpad=True),
     }
-    for name, module in cases.items():
+    for module in cases.values():
         with pytest.raises(ScriptError, match=r"^torch.jit.script compiles PyTorch's .* or use torch.export.export"):
             torch.jit.script(module)
 
