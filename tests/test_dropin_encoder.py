@@ -218,7 +218,8 @@ class Model(nn.Module):
 
 
 @pytest.mark.parametrize("mode", ["train", "eval"])
-@pytest.mark.parametrize("what", ["layer", "stack", "attention kdim", "model holding them"])
+@pytest.mark.parametrize("what", ["layer", "stack", "attention kdim", "model holding them",
+                                  "swapped nn.TransformerEncoder"])
 def test_torch_jit_script_gives_the_eager_numbers_dropout_included(what, mode):
     torch.manual_seed(0)
     x, pad = torch.randn(B, L, E), PAD
@@ -231,8 +232,11 @@ def test_torch_jit_script_gives_the_eager_numbers_dropout_included(what, mode):
         model = MultiHeadAttention(E, H, 0.1, kdim=6, vdim=5, average_attn_weights=True)
         k, v = torch.randn(B, L, 6), torch.randn(B, L, 5)
         call = lambda m: m(x, k, v, key_padding_mask=pad)[0]
-    else:
+    elif what == "model holding them":
         model, call = Model(), lambda m: m(x, pad)
+    else:
+        model = swap_attention(nn.TransformerEncoder(nn.TransformerEncoderLayer(E, H, FF, batch_first=True), 2))
+        call = lambda m: m(x, src_key_padding_mask=pad)
     eager = copy.deepcopy(model).train(mode == "train")  # scripting a model puts PyTorch's modules into it
     scripted = torch.jit.script(model.train(mode == "train"))
     for no_grad in (False, True):
