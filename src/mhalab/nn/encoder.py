@@ -264,6 +264,7 @@ class TransformerEncoder(nn.Module):
 
     Padding. src_key_padding_mask (B, L) bool, True at pads. Every real token's output is PyTorch's. At the pads,
     `unpad` decides:
+
     - None (the default): PyTorch's numbers at every position. Where nn.TransformerEncoder runs nested tensors
       (its conditions, `_as_nested`: inference without grad, bool mask, no src mask, right-padded rows, ...),
       ours skips the pads too ("unpadding", see unpad.Unpadding) and leaves 0 there before the final norm, as
@@ -272,6 +273,7 @@ class TransformerEncoder(nn.Module):
       layers when a quarter of the batch is padding, and with right-padded rows no quadratic attention work on
       them, nn.varlen); pads come out as 0, after the final norm. The framework's models run this way.
     - False: compute every position, always.
+
     forward's is_causal is a hint about `mask`, as in PyTorch: None compares the mask with the causal one, and the
     stack passes the hint to every layer (is_causal=True without a mask raises there, as PyTorch's does).
     """
