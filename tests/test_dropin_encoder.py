@@ -159,6 +159,34 @@ def test_the_nested_tensor_warning_is_pytorchs():
         TransformerEncoder(layer, 1, enable_nested_tensor=False)
 
 
+def test_batch_equal_to_length_both_masks_and_fully_padded_rows_as_pytorch():
+    """(B, L, E) with B == L is not read as the other layout; a src mask with a padding mask gives PyTorch's numbers
+    and no warning; a row with every position padded keeps the batch's shape (PyTorch: NaN there, ours 0)."""
+    ours, theirs = pair()
+    x, mask = torch.randn(L, L, E), torch.rand(L, L) > 0.7
+    pad = torch.zeros(L, L, dtype=torch.bool)
+    pad[1, 4:], pad[2, :] = True, True  # row 2: all padding
+    mask.fill_diagonal_(False)
+    for train in (True, False):
+        ours.train(train), theirs.train(train)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            got = ours(x, mask=mask, src_key_padding_mask=pad)
+        want = theirs(x, mask=mask, src_key_padding_mask=pad)
+        rows = torch.arange(L) != 2
+        close(got[rows], want[rows], TOL, f"B == L, both masks, train={train}")
+        assert got.shape == (L, L, E) and torch.isfinite(got).all()
+
+
+def test_a_hook_on_self_attn_sees_every_call_in_inference_too():
+    layer = TransformerEncoderLayer(E, H, FF, batch_first=True).eval()
+    calls = []
+    layer.self_attn.register_forward_hook(lambda m, args, out: calls.append(out[0].shape))
+    with torch.inference_mode():
+        layer(torch.randn(B, L, E))
+    assert calls == [(B, L, E)]  # as PyTorch's (its fused inference path declines when self_attn has hooks)
+
+
 # ---------------------------------------------------------------- is_causal
 
 
@@ -178,13 +206,15 @@ def test_the_stack_detects_a_causal_mask_and_passes_is_causal_to_every_layer():
     ours, theirs = pair()
     seen = []
     for lyr in ours.layers:
-        lyr.register_forward_pre_hook(lambda m, args, kwargs: seen.append(kwargs["is_causal"]), with_kwargs=True)
+        lyr.register_forward_pre_hook(lambda m, args, kwargs: seen.append(kwargs.get("is_causal")), with_kwargs=True)
     x = torch.randn(B, L, E)
     close(ours(x, mask=CAUSAL), theirs(x, mask=CAUSAL), TOL, "causal mask")
     close(ours(x, mask=CAUSAL.isinf()), theirs(x, mask=CAUSAL.isinf()), TOL, "the same mask as bool")
     ours(x, mask=torch.zeros(L, L))  # not causal
     ours(x, mask=CAUSAL, is_causal=False)  # the caller's hint wins, as in PyTorch
     assert seen == [True, True, True, True, False, False, False, False]
+    layer = ours.layers[0]
+    close(layer(x, src_mask=CAUSAL, is_causal=True), layer(x, src_mask=CAUSAL), 0.0, "the hint changes nothing")
 
 
 def test_where_pytorch_trusts_is_causal_over_the_mask_ours_does_too():
