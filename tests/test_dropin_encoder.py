@@ -139,6 +139,21 @@ def _odd_heads_pair() -> tuple[TransformerEncoder, nn.TransformerEncoder]:
     return ours, theirs
 
 
+def test_without_mask_check_left_padding_keeps_each_token_in_place_where_pytorchs_nested_tensor_does_not():
+    """mask_check=False, rows padded on the left, eval without grad: PyTorch's nested tensor takes each row's first
+    tokens and writes the outputs at the front; ours skips the pads where they are (library.md says so)."""
+    ours, theirs = pair()
+    ours.mask_check = theirs.mask_check = False
+    x, left = torch.randn(B, L, E), PAD.flip(1)
+    want = theirs(x, src_key_padding_mask=left)  # training mode: every token where it is
+    ours.eval(), theirs.eval()
+    with torch.no_grad():
+        got, nested = ours(x, src_key_padding_mask=left), theirs(x, src_key_padding_mask=left)
+    close(got[~left], want[~left], TOL, "ours, real tokens")
+    assert torch.equal(got[left], torch.zeros_like(got[left]))
+    assert (nested[~left] - want[~left]).abs().max() > 0.1  # PyTorch's: tokens moved
+
+
 def test_unpad_true_skips_the_pads_in_training_too_and_leaves_0_there():
     ours, theirs = pair(norm=True)
     ours.unpad = True
