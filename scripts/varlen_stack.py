@@ -56,8 +56,9 @@ def main(argv=None) -> None:
     lengths = torch.randint(args.min_len, args.max_len + 1, (args.batch,), generator=g)
     L = int(lengths.max())
     kpm = torch.arange(L)[None, :] >= lengths[:, None]  # (B, L) right padding, True at pads
-    ours = TransformerEncoder(2, 256, 4, 1024, 0.1)
-    padded = TransformerEncoder(2, 256, 4, 1024, 0.1, unpad=False)
+    sizes = {"num_layers": 2, "embed_dim": 256, "num_heads": 4, "ff_dim": 1024, "dropout": 0.1}
+    ours = TransformerEncoder(**sizes, unpad=True)
+    padded = TransformerEncoder(**sizes, unpad=False)
     padded.load_state_dict(ours.state_dict())
     # PyTorch's as it comes by default: nested tensors (its own unpadding) in inference
     official = nn.TransformerEncoder(ours.layers[0].to_official(), 2, enable_nested_tensor=True)

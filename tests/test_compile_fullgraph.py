@@ -42,10 +42,14 @@ MODELS = {  # name -> (build, call(model, mask) -> output)
                            lambda m, k: m(X, X, X, key_padding_mask=k, need_weights=False)[0]),
     "MultiHeadAttention, weights": (lambda: MultiHeadAttention(E, H, dropout=0.1),
                                     lambda m, k: m(X, X, X, key_padding_mask=k)[0]),
-    "TransformerEncoderLayer": (lambda: TransformerEncoderLayer(E, H, 32, dropout=0.1),
+    "TransformerEncoderLayer": (lambda: TransformerEncoderLayer(E, H, 32, dropout=0.1, batch_first=True),
                                 lambda m, k: m(X, src_key_padding_mask=k)),
-    "TransformerEncoder (unpads in eager)": (lambda: TransformerEncoder(2, E, H, 32, dropout=0.1),
-                                             lambda m, k: _zero_pads(m(X, src_key_padding_mask=k), k)),
+    "TransformerEncoder (unpads in eager)": (
+        lambda: TransformerEncoder(num_layers=2, embed_dim=E, num_heads=H, ff_dim=32, dropout=0.1, unpad=True),
+        lambda m, k: _zero_pads(m(X, src_key_padding_mask=k), k)),
+    "TransformerEncoder(layer, 2), PyTorch's numbers at the pads": (
+        lambda: TransformerEncoder(TransformerEncoderLayer(E, H, 32, dropout=0.1, batch_first=True), 2),
+        lambda m, k: m(X, src_key_padding_mask=k)),
     "swapped nn.TransformerEncoder": (_official_encoder, lambda m, k: m(X, src_key_padding_mask=k)),
     "swapped nn.Transformer": (lambda: swap_attention(nn.Transformer(E, H, 1, 1, 32, dropout=0.1, batch_first=True)),
                                lambda m, k: m(X, X[:, :4], src_key_padding_mask=k, memory_key_padding_mask=k)),
@@ -73,7 +77,7 @@ def test_fullgraph_compile_has_no_graph_break_and_gives_the_eager_numbers(name, 
     torch._dynamo.reset()
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager")  # a graph break raises here
     eager = model
-    if isinstance(model, TransformerEncoder) and mode == "train":
+    if isinstance(model, TransformerEncoder) and model.unpad and mode == "train":
         # compiled, the stack computes the padded layout (no unpadding: its token count is data-dependent), so its
         # dropout masks are drawn over (B, L, E) where the unpadded stack draws them over the (N, E) real tokens:
         # the eager twin with the same draws is the padded computation, unpad=False

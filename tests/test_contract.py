@@ -320,9 +320,10 @@ def test_stack_from_official_with_norm_and_is_causal_equals_pytorch(norm_first):
         theirs.train(train)
         ours.train(train)
         ref = theirs(x, mask=CAUSAL, src_key_padding_mask=pad, is_causal=True)
-        out = ours(x, src_key_padding_mask=pad, is_causal=True)  # ours builds the causal mask itself
-        real = ~pad.T  # (L, B): ours gives 0 at pads, PyTorch computes them
-        close(out[real], ref[real], TOL, "real tokens")
+        out = ours(x, mask=CAUSAL, src_key_padding_mask=pad, is_causal=True)
+        close(out, ref, TOL, "every position, pads included (PyTorch computes them here, and so does ours)")
+        with pytest.raises(RuntimeError, match=r"is_causal=True needs attn_mask"):  # as PyTorch's raises
+            ours(x, src_key_padding_mask=pad, is_causal=True)
     back = ours.to_official()
     assert back.state_dict().keys() == theirs.state_dict().keys()
     assert (back.enable_nested_tensor, back.mask_check) == (False, False)

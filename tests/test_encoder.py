@@ -53,7 +53,7 @@ def layer_pair(conversion, activation, norm_first, dropout=0.0, seed=0):
         off = perturb(official_layer(activation, norm_first, dropout))
         ours = TransformerEncoderLayer.from_official(off)
     else:
-        ours = perturb(TransformerEncoderLayer(E, H, FF, dropout, activation, norm_first=norm_first))
+        ours = perturb(TransformerEncoderLayer(E, H, FF, dropout, activation, batch_first=True, norm_first=norm_first))
         off = ours.to_official()
     return ours, off
 
@@ -70,7 +70,8 @@ def stack_pair(conversion, activation, norm_first, final_norm, num_layers=3, see
         perturb(off)  # official deep-copies one layer: perturbing makes the layers differ
         ours = TransformerEncoder.from_official(off)
     else:
-        ours = perturb(TransformerEncoder(num_layers, E, H, FF, 0.0, activation, norm_first, final_norm))
+        ours = perturb(TransformerEncoder(num_layers=num_layers, embed_dim=E, num_heads=H, ff_dim=FF, dropout=0.0,
+                                          activation=activation, norm_first=norm_first, final_norm=final_norm))
         off = ours.to_official()
     return ours, off
 
@@ -542,18 +543,20 @@ def test_embed_dim_not_divisible_is_refused_everywhere():
     with pytest.raises(ValueError, match=r"num_heads=4 does not divide embed_dim=18 \(dim per head would be 4.50\)"):
         TransformerEncoderLayer(18, 4, FF)
     with pytest.raises(ValueError, match=r"num_heads=4 does not divide embed_dim=18 \(dim per head would be 4.50\)"):
-        TransformerEncoder(2, 18, 4, FF)
+        TransformerEncoder(num_layers=2, embed_dim=18, num_heads=4, ff_dim=FF)
     with pytest.raises(ValueError, match=r"num_heads=4 does not divide embed_dim=18 \(dim per head would be 4.50\)"):
         OfficialEncoder(2, 18, 4, FF)
 
 
-def test_zero_layers_is_refused():
-    with pytest.raises(ValueError, match=r"num_layers must be >= 1, got 0"):
-        TransformerEncoder(0, E, H, FF)
+def test_zero_layers_is_refused_in_both_forms():
+    with pytest.raises(ValueError, match=r"num_layers must be an integer >= 1, got 0"):
+        TransformerEncoder(num_layers=0, embed_dim=E, num_heads=H)
+    with pytest.raises(ValueError, match=r"num_layers must be an integer >= 1, got 0"):
+        TransformerEncoder(TransformerEncoderLayer(E, H), 0)
 
 
 def test_layer_mask_errors_reach_the_user():
-    layer = TransformerEncoderLayer(E, H, FF)
+    layer = TransformerEncoderLayer(E, H, FF, batch_first=True)
     x = torch.randn(B, L, E)
     with pytest.raises(
         ValueError, match=rf"attn_mask has shape \({L}, {L + 1}\).*Expected one of \({L}, {L}\)"

@@ -19,7 +19,7 @@ from mhalab.data.collate import Collate, PackedCollate
 from mhalab.data.sampler import PackedBatchSampler
 from mhalab.model import SequenceClassifier, attention_parts
 from mhalab.nn.attention import MultiHeadAttention
-from mhalab.nn.encoder import TransformerEncoder, TransformerEncoderLayer
+from mhalab.nn.encoder import TransformerEncoder, TransformerEncoderLayer, reset_parameters
 from mhalab.nn.positions import RotaryEmbedding
 from mhalab.nn.unpad import Unpadding
 from mhalab.nn.varlen import SeqLens, varlen_attention
@@ -35,9 +35,11 @@ L, E, H = 150, 32, 4
 def _encoders(attention: str, pos: str, dropout: float = 0.0):
     parts = attention_parts(attention, pos, embed_dim=E, num_heads=H, max_len=L, dropout=dropout,
                             window=8, global_tokens=1)
-    layer = TransformerEncoderLayer(E, H, 64, dropout, self_attn=MultiHeadAttention(E, H, dropout, **parts))
-    ours = TransformerEncoder(2, E, H, 64, dropout, layer=layer)
-    padded = TransformerEncoder(2, E, H, 64, dropout, layer=layer, unpad=False)
+    layer = TransformerEncoderLayer(E, H, 64, dropout, batch_first=True,
+                                    self_attn=MultiHeadAttention(E, H, dropout, **parts))
+    ours = TransformerEncoder(layer, 2, unpad=True)
+    reset_parameters(ours.layers[1])  # two different layers
+    padded = TransformerEncoder(layer, 2, unpad=False)
     padded.load_state_dict(ours.state_dict())
     return ours, padded
 

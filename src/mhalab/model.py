@@ -35,7 +35,7 @@ from torch import Tensor, nn
 
 from mhalab.errors import CheckpointError
 from mhalab.nn.attention import BLOCK_MIN_SCORES, QUERY_BLOCK, MultiHeadAttention, check_heads
-from mhalab.nn.encoder import OfficialEncoder, TransformerEncoder, TransformerEncoderLayer
+from mhalab.nn.encoder import OfficialEncoder, TransformerEncoder, TransformerEncoderLayer, reset_parameters
 from mhalab.nn.kernels import LinformerAttention, PerformerAttention, WindowAttention
 from mhalab.nn.positions import ALiBi, LearnedPosition, RotaryEmbedding, SinusoidalPosition, T5RelativeBias
 from mhalab.nn.unpad import Unpadding
@@ -276,18 +276,22 @@ class SequenceClassifier(nn.Module):
             attention, pos, embed_dim=dim, num_heads=heads, max_len=n_pos, dropout=dropout, head_dim=head_dim,
             **(attention_options or {}),
         )
-        stack = {"num_layers": layers, "embed_dim": dim, "num_heads": heads, "ff_dim": ff_dim, "dropout": dropout,
-                 "activation": activation, "norm_first": norm_first, "final_norm": norm_first}
         if encoder == "custom":
             # CPU training at long L: query blocks (ScaledDotProductAttention); not weights, so any
             # checkpoint loads whatever the values. PyTorch's encoder has no such switch: ignored there.
             mha = MultiHeadAttention(dim, heads, dropout, **parts, block_min_scores=block_min_scores,
                                      query_block=query_block, head_dim=head_dim)
-            layer = TransformerEncoderLayer(dim, heads, ff_dim, dropout, activation, norm_first=norm_first,
-                                            self_attn=mha)
-            self.encoder = TransformerEncoder(**stack, layer=layer)
+            layer = TransformerEncoderLayer(dim, heads, ff_dim, dropout, activation, batch_first=True,
+                                            norm_first=norm_first, self_attn=mha)
+            # PyTorch's form copies the layer; a config's stack then draws layers 1+ afresh (no two layers start
+            # identical), and skips the pads in training too (unpad=True; see TransformerEncoder)
+            self.encoder = TransformerEncoder(layer, layers, norm=nn.LayerNorm(dim) if norm_first else None,
+                                              unpad=True)
+            for lyr in self.encoder.layers[1:]:
+                reset_parameters(lyr)
         else:
-            self.encoder = OfficialEncoder(**stack)
+            self.encoder = OfficialEncoder(layers, dim, heads, ff_dim, dropout, activation, norm_first,
+                                           final_norm=norm_first)
             # its eval forward packs a padded batch into a nested tensor, and torch says once per process that the
             # nested-tensor API "is in prototype stage": a cause we know and a user cannot act on; that message, from
             # that module, only
@@ -410,7 +414,7 @@ class SequenceClassifier(nn.Module):
         if kind == "official" and isinstance(enc, TransformerEncoder):
             other.encoder = OfficialEncoder.wrap(enc.to_official())
         elif kind == "custom" and isinstance(enc, OfficialEncoder):
-            other.encoder = TransformerEncoder.from_official(enc.encoder)
+            other.encoder = TransformerEncoder.from_official(enc.encoder, unpad=True)
         elif not isinstance(enc, TransformerEncoder if kind == "custom" else OfficialEncoder):
             raise ValueError(f"unknown encoder kind '{kind}'; choose one of {', '.join(ENCODERS)}.")
         return other

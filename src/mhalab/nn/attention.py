@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from mhalab.nn.masks import ShapeError, dead_rows, merge_masks, to_additive
+from mhalab.nn.script import refuse
 from mhalab.nn.unpad import Unpadding
 from mhalab.nn.varlen import varlen_applies, varlen_attention
 
@@ -228,8 +229,8 @@ class MultiHeadAttention(nn.MultiheadAttention):
     query (B, L_q, E), or (L_q, B, E) with batch_first=False, or unbatched (L_q, E); key and value default to
     query (self-attention). key_padding_mask (B, L_k) and attn_mask ((L_q, L_k) or (B x H, L_q, L_k); ours also
     takes (B, L_q, L_k) and (B or 1, H or 1, L_q, L_k)), bool (True = blocked) or float (added). Weights are
-    always batch-first: (B, H, L_q, L_k), or their mean over heads (B, L_q, L_k). is_causal=True without an
-    attn_mask applies the causal mask (PyTorch asks for the mask and takes is_causal as a hint about it).
+    always batch-first: (B, H, L_q, L_k), or their mean over heads (B, L_q, L_k). is_causal=True is a hint about
+    the attn_mask given, as in PyTorch: without an attn_mask it raises PyTorch's RuntimeError.
     Where ours differs: a query whose keys are all blocked gets output 0 and zero gradients (PyTorch: NaN).
     forward(x, attn_mask=None, need_weights=..., unpad=Unpadding(key_padding_mask)) is self-attention on packed
     tokens x (N, E) -> ((N, E), weights), as TransformerEncoder runs it (see unpad.Unpadding).
@@ -448,6 +449,10 @@ class MultiHeadAttention(nn.MultiheadAttention):
             raise TypeError("need_weights got a tensor: the 5th argument is need_weights, as in "
                              "nn.MultiheadAttention (query, key, value, key_padding_mask, need_weights, attn_mask); "
                              "pass attn_mask=... by keyword.")
+        if is_causal and attn_mask is None:
+            raise RuntimeError("is_causal=True needs attn_mask: it is a hint about the mask given, as in "
+                               "nn.MultiheadAttention; pass attn_mask=nn.Transformer.generate_square_subsequent_mask(L)"
+                               " too, or leave is_causal out.")
         average = self.average_attn_weights if average_attn_weights is None else average_attn_weights
         if unpad is not None:  # packed self-attention, query: (N, E) real tokens (see _forward_packed)
             if key is not None or value is not None or key_padding_mask is not None:
@@ -455,13 +460,13 @@ class MultiHeadAttention(nn.MultiheadAttention):
                     "with unpad=..., query holds the packed tokens of a self-attention: pass no key, value or "
                     "key_padding_mask (the mask is the one unpad was built from)."
                 )
-            out, weights = self._forward_packed(query, unpad, attn_mask, need_weights, is_causal)
+            out, weights = self._forward_packed(query, unpad, attn_mask, need_weights)
             return out, _average(weights, average)
         key = query if key is None else key
         value = key if value is None else value
         batched = self._check_dims(query, key, value, key_padding_mask, attn_mask)
         if query.is_nested:  # from nn.TransformerEncoder's inference path ("nested tensors")
-            return self._forward_nested(query, key, value, attn_mask, need_weights, average, is_causal)
+            return self._forward_nested(query, key, value, attn_mask, need_weights, average)
         if not batched:  # unbatched (L, E): a batch of one
             query, key, value = _same_identity(lambda t: t.unsqueeze(0), query, key, value)
             key_padding_mask = None if key_padding_mask is None else key_padding_mask.unsqueeze(0)
@@ -470,7 +475,8 @@ class MultiHeadAttention(nn.MultiheadAttention):
         self._check_inputs(query, key, value)
 
         q, k, v = self._project(query, key, value)  # (B, L_q, H*d), (B, L_k, H*d) x 2
-        out, weights = self._attend(q, k, v, key_padding_mask, attn_mask, need_weights, is_causal)  # (B, L_q, H*d)
+        causal = is_causal and key_padding_mask is None and not need_weights  # PyTorch trusts the hint there
+        out, weights = self._attend(q, k, v, key_padding_mask, attn_mask, need_weights, causal)  # (B, L_q, H*d)
         # W_O in the memory layout nn.MultiheadAttention computes in, sequence-first: (L_q, B, E) contiguous, seen
         # as (B, L_q, E) when batch_first. The numbers are the same either way; the layout makes a dropout after
         # this module (nn's layers' dropout1) draw the same mask for the same element as after PyTorch's.
@@ -528,13 +534,15 @@ class MultiHeadAttention(nn.MultiheadAttention):
 
     def _attend(
         self, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None, attn_mask: Tensor | None,
-        need_weights: bool, is_causal: bool = False,
+        need_weights: bool, causal: bool = False,
     ) -> tuple[Tensor, Tensor | None]:
         """Projected q (B, L_q, H*d), k and v (B, L_k, H*d) -> heads -> attention -> merged (B, L_q, H*d)
         (H*d = E unless head_dim is given), and the weights (B, H, L_q, L_k') or None (L_k' counts the keys
-        add_bias_kv and add_zero_attn append)."""
+        add_bias_kv and add_zero_attn append). causal=True: the causal mask in place of attn_mask, as
+        nn.MultiheadAttention trusts is_causal where no key_padding_mask is given and no weights asked for (it
+        hands SDPA is_causal=True and drops the mask)."""
         B, L_q, _ = q.shape
-        if is_causal and attn_mask is None:
+        if causal:
             attn_mask = causal_mask(L_q, k.size(1), q.device)
         if self.bias_k is not None or self.add_zero_attn:
             self._check_extras()  # a variant may have been plugged in since construction
@@ -580,7 +588,7 @@ class MultiHeadAttention(nn.MultiheadAttention):
         return k, v, visible(attn_mask), visible(kpm)
 
     def _forward_packed(
-        self, x: Tensor, unpad: Unpadding, attn_mask: Tensor | None, need_weights: bool, is_causal: bool = False,
+        self, x: Tensor, unpad: Unpadding, attn_mask: Tensor | None, need_weights: bool,
     ) -> tuple[Tensor, Tensor | None]:
         """Self-attention on packed tokens: x (N, E), the real tokens of a padded batch (see Unpadding).
 
@@ -600,8 +608,6 @@ class MultiHeadAttention(nn.MultiheadAttention):
                 f"x has shape {tuple(x.shape)}; expected packed tokens (N={unpad.num_tokens}, "
                 f"embed_dim={self.embed_dim})."
             )
-        if is_causal and attn_mask is None:
-            attn_mask = causal_mask(unpad.seq_len, unpad.seq_len, x.device)
         qkv = self._in_proj(x)  # (N, 3E)
         if not need_weights and varlen_applies(self, attn_mask) and unpad.seqlens is not None:
             # attention on the real tokens too, each sequence on its own (nn.varlen): no (B, L) layout at all
@@ -612,7 +618,7 @@ class MultiHeadAttention(nn.MultiheadAttention):
         out, weights = self._attend(q, k, v, unpad.key_padding_mask, attn_mask, need_weights)  # (B, L, E)
         return self.W_O(unpad.pack(out)), weights  # (N, E)
 
-    def _forward_nested(self, query: Tensor, key: Tensor, value: Tensor, attn_mask, need_weights, average, is_causal):
+    def _forward_nested(self, query: Tensor, key: Tensor, value: Tensor, attn_mask, need_weights, average):
         """Attention on nested tensors (B sequences of their own lengths, batch-first), as nn.TransformerEncoder passes
         them in inference when PyTorch's fused layer declines (a variant of ours), or as a user does: each padded,
         the keys' pads blocked by a key-padding mask, attended, and the output nested again at the query's lengths,
@@ -627,7 +633,7 @@ class MultiHeadAttention(nn.MultiheadAttention):
             raise ShapeError(f"key and value need the same lengths; got {k_lengths} and {v_lengths}.")
         pad = torch.arange(k_in.size(1), device=x.device) >= torch.tensor(k_lengths, device=x.device)[:, None]
         q, k, v = self._project(x, k_in, v_in)  # (B, L_q, H*d), (B, L_k, H*d) x 2
-        out, weights = self._attend(q, k, v, pad, attn_mask, need_weights, is_causal)
+        out, weights = self._attend(q, k, v, pad, attn_mask, need_weights)
         out = self.W_O(out)  # (B, L_q, E)
         nested = torch.nested.as_nested_tensor([o[:n] for o, n in zip(out, q_lengths)], layout=query.layout)
         return nested, _average(weights, average)
@@ -649,10 +655,11 @@ class MultiHeadAttention(nn.MultiheadAttention):
         _copy_projections(ours, mha)
         return ours.train(mha.training)
 
-    def to_official(self) -> nn.MultiheadAttention:
+    def to_official(self, share: bool = False) -> nn.MultiheadAttention:
         """nn.MultiheadAttention with these weights, configuration, train / eval mode and requires_grad. Refused, in
         one line, for what it cannot express (not_official). nn.MultiheadAttention has no default for
-        average_attn_weights: it averages unless told not to, whatever this module's default."""
+        average_attn_weights: it averages unless told not to, whatever this module's default. share=True: it holds
+        this module's very parameters and out_proj, not copies (what torch.jit.script compiles, see script.py)."""
         why = self.not_official()
         if why is not None:
             raise ValueError(f"to_official: nn.MultiheadAttention cannot express {why}; keep ours, or build it "
@@ -661,10 +668,27 @@ class MultiHeadAttention(nn.MultiheadAttention):
         mha = nn.MultiheadAttention(
             self.embed_dim, self.num_heads, dropout=self.dropout, bias=self.in_proj_bias is not None,
             add_bias_kv=self.bias_k is not None, add_zero_attn=self.add_zero_attn, kdim=self.kdim, vdim=self.vdim,
-            batch_first=self.batch_first, device=w.device, dtype=w.dtype,
-        )
-        _copy_projections(mha, self)
+            batch_first=self.batch_first, device="meta" if share else w.device, dtype=w.dtype,
+        )  # on "meta" when shared: no memory, no init, as every parameter is replaced below
+        if not share:
+            _copy_projections(mha, self)
+            return mha.train(self.training)
+        for name in OFFICIAL_PARAMETERS[:-2]:  # all but out_proj.*, where PyTorch's configuration has them
+            if getattr(self, name) is not None:
+                setattr(mha, name, getattr(self, name))
+        mha.out_proj = self.out_proj
         return mha.train(self.training)
+
+    def __prepare_scriptable__(self) -> nn.MultiheadAttention:
+        """torch.jit.script compiles this: nn.MultiheadAttention holding these very parameters (script.py)."""
+        why = self.not_official()
+        if why is None and not self.average_attn_weights:
+            why = ("per-head weights by default (average_attn_weights=False, the article's default; PyTorch's forward "
+                   "averages unless told)")
+        if why is not None:
+            raise refuse("nn.MultiheadAttention", why, "build it with PyTorch's defaults (from_official, "
+                         "average_attn_weights=True)")
+        return self.to_official(share=True)
 
 
 # nn.MultiheadAttention's parameters by name (None where a configuration has no such parameter); ours has the same

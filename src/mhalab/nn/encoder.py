@@ -3,13 +3,14 @@
 The article's layer applied dropout twice to each sub-layer output (inside `ffn` and again on the
 residual, and after W_O inside its MHA and again on the residual). Here each sub-layer output is
 dropped once, exactly where nn.TransformerEncoderLayer drops it, so the two are numerically equal.
-The layer and the stack take nn.TransformerEncoderLayer's / nn.TransformerEncoder's arguments with their meaning;
-the defaults that differ are the article's: activation gelu, batch_first=True.
+The layer takes nn.TransformerEncoderLayer's arguments with their names, defaults and meaning; the stack
+nn.TransformerEncoder's (a layer copied num_layers times), or sizes by keyword (each layer drawn on its own).
 """
 
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -17,6 +18,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mhalab.nn.attention import MultiHeadAttention, causal_mask, check_heads
+from mhalab.nn.masks import to_additive
+from mhalab.nn.script import refuse
 from mhalab.nn.unpad import Unpadding
 
 ACTIVATIONS = {"relu": nn.ReLU, "gelu": nn.GELU}
@@ -82,20 +85,20 @@ class TransformerEncoderLayer(nn.Module):
     post-norm: x = norm1(x + drop(attn(x)));  x = norm2(x + drop(ffn(x)))
     pre-norm:  x = x + drop(attn(norm1(x)));  x = x + drop(ffn(norm2(x)))
 
-    Arguments in nn.TransformerEncoderLayer's order and meaning (embed_dim, num_heads, ff_dim are its d_model,
-    nhead, dim_feedforward): activation a name or a unary callable, bias=False drops every Linear's and
-    LayerNorm's bias, batch_first=False takes (L, B, E). `self_attn` (keyword) puts a given attention in.
+    nn.TransformerEncoderLayer's arguments, names, order and defaults (relu, sequence-first (L, B, E) unless
+    batch_first=True): activation a name or a unary callable, bias=False drops every Linear's and LayerNorm's bias.
+    `self_attn` (keyword) puts a given attention in; the layer's batch_first must be the attention's.
     """
 
     def __init__(
         self,
-        embed_dim: int,
-        num_heads: int,
-        ff_dim: int = 2048,
+        d_model: int,
+        nhead: int,
+        dim_feedforward: int = 2048,
         dropout: float = 0.1,
-        activation: str | Callable[[Tensor], Tensor] = "gelu",
+        activation: str | Callable[[Tensor], Tensor] = "relu",
         layer_norm_eps: float = 1e-5,
-        batch_first: bool = True,
+        batch_first: bool = False,
         norm_first: bool = False,
         bias: bool = True,
         device=None,
@@ -110,18 +113,19 @@ class TransformerEncoderLayer(nn.Module):
                              f"nn.TransformerEncoderLayer; pass norm_first=... by keyword).")
         f = {"device": device, "dtype": dtype}
         if self_attn is None:
-            self_attn = MultiHeadAttention(embed_dim, num_heads, dropout, bias=bias, batch_first=batch_first, **f)
+            self_attn = MultiHeadAttention(d_model, nhead, dropout, bias=bias, batch_first=batch_first, **f)
         elif self_attn.batch_first != batch_first:
-            raise ValueError(f"self_attn.batch_first={self_attn.batch_first} but batch_first={batch_first}: the "
-                             f"layer passes its input to self_attn as it comes; build them with the same layout.")
+            raise ValueError(f"self_attn.batch_first={self_attn.batch_first} but the layer's batch_first={batch_first} "
+                             f"(nn.TransformerEncoderLayer's default is False): pass batch_first="
+                             f"{self_attn.batch_first} to the layer, which hands its input to self_attn as it is.")
         self.self_attn = self_attn
         # ffn: Linear -> act -> Dropout -> Linear; its output is dropped once, by dropout2
         self.ffn = nn.Sequential(
-            nn.Linear(embed_dim, ff_dim, bias=bias, **f), _activation(activation), nn.Dropout(dropout),
-            nn.Linear(ff_dim, embed_dim, bias=bias, **f),
+            nn.Linear(d_model, dim_feedforward, bias=bias, **f), _activation(activation), nn.Dropout(dropout),
+            nn.Linear(dim_feedforward, d_model, bias=bias, **f),
         )
-        self.norm1 = nn.LayerNorm(embed_dim, eps=layer_norm_eps, bias=bias, **f)
-        self.norm2 = nn.LayerNorm(embed_dim, eps=layer_norm_eps, bias=bias, **f)
+        self.norm1 = nn.LayerNorm(d_model, eps=layer_norm_eps, bias=bias, **f)
+        self.norm2 = nn.LayerNorm(d_model, eps=layer_norm_eps, bias=bias, **f)
         self.dropout1 = nn.Dropout(dropout)
         self.dropout2 = nn.Dropout(dropout)
         self.norm_first = norm_first
@@ -154,8 +158,8 @@ class TransformerEncoderLayer(nn.Module):
         unpad: Unpadding | None = None,
     ) -> Tensor:
         """src (B, L, E) (or (L, B, E) with batch_first=False, or unbatched (L, E)) -> the same shape: every
-        position is computed, pads included (as PyTorch's layer does). is_causal=True without src_mask applies
-        the causal mask.
+        position is computed, pads included (as PyTorch's layer does). is_causal is a hint about src_mask, as in
+        PyTorch: is_causal=True without src_mask raises PyTorch's RuntimeError.
 
         With unpad=Unpadding(key_padding_mask), src is packed: (N, E), the real tokens of a padded batch
         (see unpad.Unpadding), and so is the result. Norms, residuals and the feed-forward then run on
@@ -222,42 +226,66 @@ class TransformerEncoderLayer(nn.Module):
             setattr(ours, name, copy.deepcopy(getattr(layer, name)))
         return ours.train(layer.training)
 
-    def to_official(self) -> nn.TransformerEncoderLayer:
+    def to_official(self, share: bool = False) -> nn.TransformerEncoderLayer:
         """nn.TransformerEncoderLayer with these weights and configuration; refuses what its attention cannot
-        express (MultiHeadAttention.to_official)."""
-        attn = self.self_attn.to_official()  # first: it refuses what PyTorch's layer cannot express
+        express (MultiHeadAttention.to_official). share=True: it holds this layer's very submodules and
+        parameters, not copies (what torch.jit.script compiles, see script.py)."""
+        attn = self.self_attn.to_official(share)  # first: it refuses what PyTorch's layer cannot express
         lin1 = self.ffn[0]
         layer = nn.TransformerEncoderLayer(
             attn.embed_dim, attn.num_heads, lin1.out_features, dropout=self.dropout1.p, activation=self.activation,
             layer_norm_eps=self.norm1.eps, batch_first=self.batch_first, norm_first=self.norm_first,
-            bias=lin1.bias is not None, device=lin1.weight.device, dtype=lin1.weight.dtype,
-        )
+            bias=lin1.bias is not None, device="meta" if share else lin1.weight.device, dtype=lin1.weight.dtype,
+        )  # on "meta" when shared: every module with parameters is replaced below
+        keep = (lambda m: m) if share else copy.deepcopy
         layer.self_attn = attn
-        layer.linear1, layer.dropout, layer.linear2 = (copy.deepcopy(m) for m in (lin1, self.ffn[2], self.ffn[3]))
+        layer.linear1, layer.dropout, layer.linear2 = (keep(m) for m in (lin1, self.ffn[2], self.ffn[3]))
         for name in ("norm1", "norm2", "dropout1", "dropout2"):
-            setattr(layer, name, copy.deepcopy(getattr(self, name)))
+            setattr(layer, name, keep(getattr(self, name)))
         return layer.train(self.training)
+
+    def __prepare_scriptable__(self) -> nn.TransformerEncoderLayer:
+        """torch.jit.script compiles this: nn.TransformerEncoderLayer holding these very modules (script.py)."""
+        why = self.self_attn.not_official()
+        if why is not None:
+            raise refuse("nn.TransformerEncoderLayer", why, "build it without")
+        return self.to_official(share=True)
 
 
 class TransformerEncoder(nn.Module):
-    """N encoder layers, with an optional final LayerNorm (use it with pre-norm layers).
+    """N encoder layers, with an optional final norm (use one with pre-norm layers). Two ways to build it:
 
-    Given a bool src_key_padding_mask, the stack runs on the real tokens only ("unpadding", see
-    unpad.Unpadding): same outputs at real tokens, 0 at padded positions (nn.TransformerEncoder's
-    nested-tensor path in eval zeroes them too, before its final norm), and a quarter less work in
-    the position-wise layers when a quarter of the batch is padding. When the rows are right-padded (as
-    the collate pads them), attention runs on the real tokens too, each sequence on its own (nn.varlen),
-    so padding costs no quadratic work either.
-    `unpad=False` computes every position, pads included, as nn.TransformerEncoder does in training.
-    nn.TransformerEncoder's arguments, as keywords: `norm` (a final norm module; final_norm=True builds a
-    LayerNorm), `enable_nested_tensor` and `mask_check` (accepted and carried by the converters: ours unpads
-    in training and inference, whatever side the padding is on); forward's `is_causal`.
-    With `layer` given, embed_dim, num_heads and ff_dim may be left out (they are the layer's).
+        TransformerEncoder(layer, 6, norm=None, enable_nested_tensor=True, mask_check=True)   # PyTorch's
+        TransformerEncoder(num_layers=6, embed_dim=256, num_heads=8, ff_dim=1024)             # by sizes
+
+    PyTorch's form (nn.TransformerEncoder's arguments, order and meaning) deep-copies `layer` num_layers times, as
+    PyTorch does: every layer starts with `layer`'s weights. The sizes form (keywords only; the article's defaults:
+    gelu, batch-first, post-norm; final_norm=True adds a LayerNorm) draws each layer's weights on its own.
+
+    Padding. src_key_padding_mask (B, L) bool, True at pads. Every real token's output is PyTorch's. At the pads,
+    `unpad` decides:
+
+    - None (the default): PyTorch's numbers at every position. Where nn.TransformerEncoder runs nested tensors
+      (its conditions, `_as_nested`: inference without grad, bool mask, no src mask, right-padded rows, ...),
+      ours skips the pads too ("unpadding", see unpad.Unpadding) and leaves 0 there before the final norm, as
+      PyTorch does; everywhere else (training, ...) every position is computed, pads included.
+    - True: skip the pads whenever the mask allows, in training too (a quarter less work in the position-wise
+      layers when a quarter of the batch is padding, and with right-padded rows no quadratic attention work on
+      them, nn.varlen); pads come out as 0, after the final norm. The framework's models run this way.
+    - False: compute every position, always.
+
+    forward's is_causal is a hint about `mask`, as in PyTorch: None compares the mask with the causal one, and the
+    stack passes the hint to every layer (is_causal=True without a mask raises there, as PyTorch's does).
     """
 
     def __init__(
         self,
-        num_layers: int,
+        encoder_layer: TransformerEncoderLayer | None = None,
+        num_layers: int | None = None,
+        norm: nn.Module | None = None,
+        enable_nested_tensor: bool = True,
+        mask_check: bool = True,
+        *,
         embed_dim: int | None = None,
         num_heads: int | None = None,
         ff_dim: int = 2048,
@@ -265,100 +293,201 @@ class TransformerEncoder(nn.Module):
         activation: str | Callable[[Tensor], Tensor] = "gelu",
         norm_first: bool = False,
         final_norm: bool = False,
-        layer: TransformerEncoderLayer | None = None,
-        unpad: bool = True,
-        *,
-        norm: nn.Module | None = None,
-        enable_nested_tensor: bool = True,
-        mask_check: bool = True,
+        unpad: bool | None = None,
     ):
         super().__init__()
-        if num_layers < 1:
-            raise ValueError(f"num_layers must be >= 1, got {num_layers}.")
-        if layer is None and (embed_dim is None or num_heads is None):
-            raise ValueError("TransformerEncoder needs embed_dim and num_heads, or a layer to copy.")
+        if isinstance(encoder_layer, int) and not isinstance(encoder_layer, bool):
+            raise TypeError(f"TransformerEncoder({encoder_layer}, ...): the first argument is the layer to copy, as in "
+                            f"nn.TransformerEncoder(encoder_layer, num_layers); for new layers pass sizes by keyword: "
+                            f"TransformerEncoder(num_layers={encoder_layer}, embed_dim=..., num_heads=...).")
+        if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
+            raise ValueError(f"num_layers must be an integer >= 1, got {num_layers!r}.")
+        sizes = embed_dim is not None or num_heads is not None
+        if (encoder_layer is not None) == sizes or (sizes and (embed_dim is None or num_heads is None)):
+            raise ValueError("TransformerEncoder needs a layer to copy (TransformerEncoder(layer, num_layers)) or "
+                             "embed_dim= and num_heads= (a stack of new layers), one of the two.")
         if norm is not None and final_norm:
             raise ValueError("pass norm=<module> or final_norm=True (a LayerNorm), not both.")
-        proto = layer or TransformerEncoderLayer(embed_dim, num_heads, ff_dim, dropout, activation,
-                                                 norm_first=norm_first)
-        # deep copies, then fresh draws for layers 1+ so no two layers start identical
-        self.layers = nn.ModuleList([copy.deepcopy(proto) for _ in range(num_layers)])
-        for lyr in self.layers[1:]:
-            reset_parameters(lyr)
-        width = proto.self_attn.embed_dim
+        if unpad not in (None, True, False):
+            raise ValueError(f"unpad={unpad!r}: None (PyTorch's numbers at the pads), True (always skip the pads) "
+                             f"or False (always compute them).")
+        if encoder_layer is not None:  # PyTorch's form: num_layers copies of the layer (_get_clones)
+            self.layers = nn.ModuleList([copy.deepcopy(encoder_layer) for _ in range(num_layers)])
+        else:  # the sizes form: copies, then fresh draws for layers 1+, so no two layers start identical
+            proto = TransformerEncoderLayer(embed_dim, num_heads, ff_dim, dropout, activation, batch_first=True,
+                                            norm_first=norm_first)
+            self.layers = nn.ModuleList([copy.deepcopy(proto) for _ in range(num_layers)])
+            for lyr in self.layers[1:]:
+                reset_parameters(lyr)
+        self.num_layers = num_layers
+        width = self.layers[0].self_attn.embed_dim
         self.norm = norm if norm is not None else (nn.LayerNorm(width) if final_norm else None)
-        # skip padded positions in the position-wise layers (forward); False computes every position
         self.unpad = unpad
         self.enable_nested_tensor, self.mask_check = enable_nested_tensor, mask_check
+        # nn.TransformerEncoder's name and rule for whether it may run nested tensors, and its warning
+        why = _why_not_nested(self.layers[0])
+        self.use_nested_tensor = enable_nested_tensor and not why
+        if enable_nested_tensor and why and unpad is None:
+            warnings.warn(f"enable_nested_tensor is True, but self.use_nested_tensor is False because {why}",
+                          stacklevel=2)
 
     def forward(self, src: Tensor, mask: Tensor | None = None, src_key_padding_mask: Tensor | None = None,
                 is_causal: bool | None = None) -> Tensor:
         """src (B, L, E) -> (B, L, E) through every layer and the final norm (if any); (L, B, E) with
         sequence-first layers, unbatched (L, E) too. mask (L, L) and src_key_padding_mask (B, L) as in
-        nn.TransformerEncoder. Given a bool src_key_padding_mask, the stack runs on the real tokens only: their
-        outputs equal the padded computation's, padded positions come out as 0 (unpad=False: every position)."""
+        nn.TransformerEncoder; the padded positions' outputs as `unpad` says (see the class)."""
         # src: (B, L, E) -> (B, L, E); (L, B, E) with sequence-first layers; unbatched (L, E)
         seq_first = src.dim() == 3 and not self.layers[0].batch_first
-        if is_causal and mask is None:
-            L = src.size(1) if src.dim() == 3 and not seq_first else src.size(0)
-            mask = causal_mask(L, L, src.device)
-        bf = src.transpose(0, 1) if seq_first else src  # (B, L, E): the layout unpadding reads
-        unpads = self._unpads(bf, src_key_padding_mask)
         compiling = torch.compiler.is_compiling()
-        if unpads and not compiling:
+        if is_causal is None:  # PyTorch's: a mask equal to the causal one sets the hint (not in a graph: a sync)
+            is_causal = not compiling and _is_causal_mask(mask, src.size(1 if src.dim() == 3 and not seq_first else 0))
+        kpm = src_key_padding_mask
+        skips = self._skips_pads(src, mask, kpm)
+        if skips and not compiling:
             # Unpad once for the whole stack (see unpad.Unpadding): (B, L, E) -> (N, E) real tokens; norms,
             # residuals and feed-forwards skip the pads and only attention sees the (B, L) layout. The
             # real tokens' outputs equal the padded computation's; padded positions come out as 0.
-            unpad = Unpadding(src_key_padding_mask)
-            if 0 < unpad.num_tokens < src_key_padding_mask.numel():  # else nothing to skip (or nothing real)
-                x = unpad.unpack(self.forward_packed(unpad.pack(bf), unpad, mask))  # (N, E) -> (B, L, E)
-                return x.transpose(0, 1) if seq_first else x
-        x = src  # every layer on the padded layout
-        for layer in self.layers:
-            x = layer(x, src_mask=mask, src_key_padding_mask=src_key_padding_mask)
-        x = self.norm(x) if self.norm is not None else x
-        if unpads and compiling:
+            unpad = Unpadding(kpm)
+            if 0 < unpad.num_tokens < kpm.numel():  # else nothing to skip (or nothing real)
+                x = unpad.pack(src.transpose(0, 1) if seq_first else src)  # (B, L, E) -> (N, E)
+                if self.unpad:  # opted in: the final norm on the real tokens too
+                    x = unpad.unpack(self.forward_packed(x, unpad, mask, is_causal))
+                else:  # PyTorch's nested tensors: 0 at the pads, then the final norm at every position
+                    x = self._norm(unpad.unpack(self._layers(x, mask, None, is_causal, unpad)))
+                return x.transpose(0, 1) if seq_first else x  # (B, L, E), or (L, B, E)
+        x = self._layers(src, mask, kpm, is_causal)  # every layer on the padded layout
+        if skips and compiling:
             # a compiled graph has static shapes, so no unpadding (N would be data-dependent): every position is
             # computed, then the pads are zeroed as the unpadded path leaves them (unless every position is a pad)
-            pads = (src_key_padding_mask.t() if seq_first else src_key_padding_mask).unsqueeze(-1)
-            x = torch.where(src_key_padding_mask.all(), x, x.masked_fill(pads, 0.0))
+            pads = (kpm.t() if seq_first else kpm).unsqueeze(-1)
+
+            def zero(t: Tensor) -> Tensor:
+                return torch.where(kpm.all(), t, t.masked_fill(pads, 0.0))
+
+            return zero(self._norm(x)) if self.unpad else self._norm(zero(x))  # pads 0 after / before the norm
+        return self._norm(x)
+
+    def _layers(self, x: Tensor, mask: Tensor | None, kpm: Tensor | None, is_causal: bool,
+                unpad: Unpadding | None = None) -> Tensor:
+        """Every layer in turn, called as nn.TransformerEncoder calls its layers; packed tokens with unpad."""
+        for layer in self.layers:
+            if unpad is None:
+                x = layer(x, src_mask=mask, is_causal=is_causal, src_key_padding_mask=kpm)
+            else:
+                x = layer(x, src_mask=mask, is_causal=is_causal, unpad=unpad)
         return x
 
-    def forward_packed(self, x: Tensor, unpad: Unpadding, mask: Tensor | None = None) -> Tensor:
-        """The stack on packed tokens x (N, E) -> (N, E): the real tokens of unpad's padded layout (for packed
-        sequences, Unpadding.from_seqlens). forward() lands here after unpadding a padded batch."""
-        if not all(isinstance(lyr, TransformerEncoderLayer) for lyr in self.layers):
-            raise ValueError("forward_packed needs TransformerEncoderLayer layers (they run on packed tokens).")
-        for layer in self.layers:
-            x = layer(x, src_mask=mask, unpad=unpad)
+    def _norm(self, x: Tensor) -> Tensor:
         return self.norm(x) if self.norm is not None else x
 
-    def _unpads(self, src: Tensor, kpm: Tensor | None) -> bool:
-        """Whether the stack skips padded positions: unpad=True, a bool (B, L) mask and src (B, L, E), and layers that
-        run on packed tokens. Else the padded path runs (it is also the one that reports malformed inputs)."""
-        return (self.unpad and kpm is not None and kpm.dtype == torch.bool and src.dim() == 3
-                and tuple(kpm.shape) == tuple(src.shape[:2])
-                and all(isinstance(lyr, TransformerEncoderLayer) for lyr in self.layers))
+    def forward_packed(self, x: Tensor, unpad: Unpadding, mask: Tensor | None = None,
+                       is_causal: bool = False) -> Tensor:
+        """The stack on packed tokens x (N, E) -> (N, E): the real tokens of unpad's padded layout (for packed
+        sequences, Unpadding.from_seqlens), final norm included. forward() lands here after unpadding a padded
+        batch with unpad=True."""
+        if not all(isinstance(lyr, TransformerEncoderLayer) for lyr in self.layers):
+            raise ValueError("forward_packed needs TransformerEncoderLayer layers (they run on packed tokens).")
+        return self._norm(self._layers(x, mask, None, is_causal, unpad))
+
+    def _skips_pads(self, src: Tensor, mask: Tensor | None, kpm: Tensor | None) -> bool:
+        """Whether this call skips the pads (see the class): a bool (B, L) mask, src (B, L, E) and layers that run on
+        packed tokens; and unpad=True, or unpad=None where nn.TransformerEncoder would run nested tensors. Else the
+        padded path runs (it is also the one that reports malformed inputs)."""
+        if self.unpad is False or kpm is None or kpm.dtype != torch.bool or src.dim() != 3:
+            return False
+        batch_length = tuple(src.shape[:2]) if self.layers[0].batch_first else (src.size(1), src.size(0))
+        if tuple(kpm.shape) != batch_length or not all(isinstance(lyr, TransformerEncoderLayer) for lyr in self.layers):
+            return False
+        return bool(self.unpad) or self._as_nested(src, mask, kpm)
+
+    def _as_nested(self, src: Tensor, mask: Tensor | None, kpm: Tensor) -> bool:
+        """Whether nn.TransformerEncoder.forward would run this call on nested tensors (its "sparsity fast path"),
+        its conditions in its order; then its outputs at the pads are 0 before the final norm."""
+        first = self.layers[0]
+        if not (torch.backends.mha.get_fastpath_enabled() and self.use_nested_tensor and not first.training):
+            return False
+        if self.mask_check and (torch.compiler.is_compiling() or not _right_padded(kpm)):
+            return False
+        if mask is not None or torch.is_autocast_enabled():
+            return False
+        tensors = (src, *first.parameters())
+        if torch.overrides.has_torch_function(tensors) or src.device.type not in ("cpu", "cuda", "xpu"):
+            return False
+        return not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+
+    def __prepare_scriptable__(self) -> nn.TransformerEncoder:
+        """torch.jit.script compiles this: nn.TransformerEncoder holding these very layers and norm (script.py)."""
+        for lyr in self.layers:
+            why = lyr.self_attn.not_official() if isinstance(lyr, TransformerEncoderLayer) else "a layer not ours"
+            if why is not None:
+                raise refuse("nn.TransformerEncoder", why, "build it without")
+        if self.unpad:
+            raise refuse("nn.TransformerEncoder", "unpad=True (0 at the pads in training)", "build it with "
+                         "unpad=None (PyTorch's numbers at the pads)")
+        return self.to_official(share=True)
 
     @classmethod
-    def from_official(cls, enc: nn.TransformerEncoder, explicit: bool = False) -> TransformerEncoder:
-        """Ours with `enc`'s layers, weights and norm; explicit=True: every layer's attention takes the weights
-        path."""
+    def from_official(cls, enc: nn.TransformerEncoder, explicit: bool = False,
+                      unpad: bool | None = None) -> TransformerEncoder:
+        """Ours with `enc`'s layers, weights, norm and settings; explicit=True: every layer's attention takes the
+        weights path. unpad as in the constructor (None: PyTorch's numbers at every position)."""
         layers = [TransformerEncoderLayer.from_official(lyr, explicit) for lyr in enc.layers]
-        ours = cls(len(layers), layer=layers[0], norm=copy.deepcopy(enc.norm),  # keeps its eps, dtype, device
-                   enable_nested_tensor=getattr(enc, "enable_nested_tensor", True),
-                   mask_check=getattr(enc, "mask_check", True))
-        ours.layers = nn.ModuleList(layers)
+        ours = cls(layers[0], 1, norm=copy.deepcopy(enc.norm), enable_nested_tensor=False,  # copies: eps, dtype
+                   mask_check=getattr(enc, "mask_check", True), unpad=unpad)
+        ours.layers, ours.num_layers = nn.ModuleList(layers), len(layers)
+        ours.enable_nested_tensor = getattr(enc, "enable_nested_tensor", True)
+        ours.use_nested_tensor = getattr(enc, "use_nested_tensor", ours.enable_nested_tensor)
         return ours.train(enc.training)
 
-    def to_official(self) -> nn.TransformerEncoder:
+    def to_official(self, share: bool = False) -> nn.TransformerEncoder:
         """nn.TransformerEncoder with these layers' weights, norm and settings (each layer through
-        TransformerEncoderLayer.to_official, which refuses what PyTorch cannot express)."""
-        layers = [lyr.to_official() for lyr in self.layers]
-        enc = nn.TransformerEncoder(layers[0], len(layers), norm=copy.deepcopy(self.norm),
-                                    enable_nested_tensor=self.enable_nested_tensor, mask_check=self.mask_check)
-        enc.layers = nn.ModuleList(layers)
+        TransformerEncoderLayer.to_official, which refuses what PyTorch cannot express). share=True: it holds
+        these very layers' modules and this norm, not copies. With unpad=False it runs no nested tensors, as ours
+        computes every position."""
+        layers = [lyr.to_official(share) for lyr in self.layers]
+        norm = self.norm if share else copy.deepcopy(self.norm)
+        enc = nn.TransformerEncoder(layers[0], 1, norm=norm, enable_nested_tensor=False, mask_check=self.mask_check)
+        enc.layers, enc.num_layers = nn.ModuleList(layers), len(layers)
+        enc.enable_nested_tensor = self.enable_nested_tensor
+        enc.use_nested_tensor = self.use_nested_tensor and self.unpad is not False
         return enc.train(self.training)
+
+
+def _why_not_nested(layer: nn.Module) -> str:
+    """nn.TransformerEncoder's reason, in its words, why a stack of `layer` never runs nested tensors ('' if none)."""
+    name = "encoder_layer"
+    if not isinstance(layer, TransformerEncoderLayer):
+        return f"{name} was not TransformerEncoderLayer"
+    attn = layer.self_attn
+    if layer.norm_first:
+        return f"{name}.norm_first was True"
+    if not attn.batch_first:
+        return f"{name}.self_attn.batch_first was not True(use batch_first for better inference performance)"
+    if not attn._qkv_same_embed_dim:
+        return f"{name}.self_attn._qkv_same_embed_dim was not True"
+    if attn.in_proj_bias is None:
+        return f"{name}.self_attn was passed bias=False"
+    if layer.activation not in ("relu", "gelu"):
+        return f"{name}.activation_relu_or_gelu was not True"
+    if layer.norm1.eps != layer.norm2.eps:
+        return f"{name}.norm1.eps was not equal to {name}.norm2.eps"
+    if attn.num_heads % 2 == 1:
+        return f"{name}.self_attn.num_heads is odd"
+    return ""
+
+
+def _right_padded(kpm: Tensor) -> bool:
+    """Every row's real tokens come first (nn.TransformerEncoder's mask_check: 'left aligned'). A host sync."""
+    return not bool((kpm[:, :-1] & ~kpm[:, 1:]).any())
+
+
+def _is_causal_mask(mask: Tensor | None, L: int) -> bool:
+    """Whether `mask` is the (L, L) causal mask, bool or float (-inf above the diagonal), as PyTorch detects it."""
+    if mask is None or tuple(mask.shape) != (L, L):
+        return False
+    causal = causal_mask(L, L, mask.device)
+    causal = causal if mask.dtype == torch.bool else to_additive(causal, "mask", mask.dtype)
+    return bool((mask == causal).all())
 
 
 class OfficialEncoder(nn.Module):

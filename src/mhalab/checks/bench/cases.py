@@ -60,13 +60,13 @@ def build(module: str, cfg, device: torch.device) -> dict[str, tuple[nn.Module, 
                         m._reset_parameters()
                     elif isinstance(m, nn.Linear):
                         m.reset_parameters()
-            convert = TransformerEncoder.from_official
+            def convert(off, explicit=False):  # ours as the framework runs it: skipping the pads in training too
+                return TransformerEncoder.from_official(off, explicit, unpad=True)
         call = lambda m, x, kpm: m(x, src_key_padding_mask=kpm)
         calls = dict.fromkeys(VARIANTS + EXTRA_VARIANTS, call)
         models = {"weights": convert(off, explicit=True), "fused": convert(off), "official": off}
         if module == "enc":
-            models["fused_padded"] = TransformerEncoder.from_official(off)
-            models["fused_padded"].unpad = False
+            models["fused_padded"] = TransformerEncoder.from_official(off, unpad=False)
     out = {}
     for v in cfg.variants:
         if v not in models:
