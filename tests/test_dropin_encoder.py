@@ -57,6 +57,24 @@ def test_pytorchs_positional_form_copies_the_layer_into_every_layer_as_pytorch_d
     close(ours(x), theirs(x), TOL, "TransformerEncoder(layer, 3) vs nn.TransformerEncoder(layer, 3)")
 
 
+def test_the_articles_keyword_call_keeps_the_articles_layer_batch_first_with_gelu():
+    """The article's example, `TransformerEncoderLayer(embed_dim=512, num_heads=8, ff_dim=2048, dropout=0.1)` fed
+    (batch, seq_len, embed_dim), at a smaller width: PyTorch's layer built batch-first with GELU, given our weights,
+    computes the same numbers; PyTorch's positional form is sequence-first with relu, as PyTorch's is."""
+    ours = TransformerEncoderLayer(embed_dim=E, num_heads=H, ff_dim=FF, dropout=0.1).eval()
+    assert (ours.batch_first, ours.activation) == (True, "gelu")
+    theirs = ours.to_official()
+    assert (theirs.self_attn.batch_first, theirs.activation_relu_or_gelu) == (True, 2)  # 2: gelu in PyTorch's code
+    x = torch.randn(B, L, E)  # (batch, seq_len, embed_dim), as the article's example
+    with torch.no_grad():
+        close(ours(x), theirs(x), TOL, "the article's call vs PyTorch's batch-first GELU layer")
+    plain = TransformerEncoderLayer(E, H, FF)
+    assert (plain.batch_first, plain.activation) == (False, "relu")
+    assert TransformerEncoderLayer(embed_dim=E, num_heads=H, batch_first=False).batch_first is False  # given: wins
+    with pytest.raises(TypeError, match="give PyTorch's names .* or the article's .*, not both"):
+        TransformerEncoderLayer(E, H, embed_dim=E)
+
+
 def test_the_sizes_form_draws_each_layer_on_its_own():
     torch.manual_seed(0)
     ours = TransformerEncoder(num_layers=3, embed_dim=E, num_heads=H, ff_dim=FF)

@@ -85,28 +85,50 @@ class TransformerEncoderLayer(nn.Module):
     post-norm: x = norm1(x + drop(attn(x)));  x = norm2(x + drop(ffn(x)))
     pre-norm:  x = x + drop(attn(norm1(x)));  x = x + drop(ffn(norm2(x)))
 
-    nn.TransformerEncoderLayer's arguments, names, order and defaults (relu, sequence-first (L, B, E) unless
-    batch_first=True): activation a name or a unary callable, bias=False drops every Linear's and LayerNorm's bias.
-    `self_attn` (keyword) puts a given attention in; the layer's batch_first must be the attention's.
+    Two call forms, told apart by their names:
+
+        TransformerEncoderLayer(64, 4, 128)                                  # PyTorch's: (L, B, E), relu
+        TransformerEncoderLayer(embed_dim=64, num_heads=4, ff_dim=128)       # the article's: (B, L, E), GELU
+
+    PyTorch's form takes nn.TransformerEncoderLayer's arguments, names, order and defaults (relu, sequence-first
+    unless batch_first=True); the article's keywords keep the article's layer (batch-first, GELU, as its example
+    feeds it (batch, seq_len, embed_dim)). batch_first= and activation= given explicitly win in either form.
+    activation: a name or a unary callable; bias=False drops every Linear's and LayerNorm's bias. `self_attn`
+    (keyword) puts a given attention in; the layer's batch_first must be the attention's.
     """
 
     def __init__(
         self,
-        d_model: int,
-        nhead: int,
+        d_model: int | None = None,
+        nhead: int | None = None,
         dim_feedforward: int = 2048,
         dropout: float = 0.1,
-        activation: str | Callable[[Tensor], Tensor] = "relu",
+        activation: str | Callable[[Tensor], Tensor] | None = None,  # None: relu (PyTorch's form), gelu (article's)
         layer_norm_eps: float = 1e-5,
-        batch_first: bool = False,
+        batch_first: bool | None = None,  # None: False (PyTorch's form), True (the article's)
         norm_first: bool = False,
         bias: bool = True,
         device=None,
         dtype=None,
         *,
         self_attn: MultiHeadAttention | None = None,
+        embed_dim: int | None = None,
+        num_heads: int | None = None,
+        ff_dim: int | None = None,
     ):
         super().__init__()
+        article = embed_dim is not None or num_heads is not None or ff_dim is not None
+        if article and (d_model is not None or nhead is not None):
+            raise TypeError("TransformerEncoderLayer: give PyTorch's names (d_model, nhead, dim_feedforward: "
+                            "sequence-first, relu) or the article's (embed_dim=, num_heads=, ff_dim=: batch-first, "
+                            "GELU), not both.")
+        if article:
+            d_model, nhead, dim_feedforward = embed_dim, num_heads, dim_feedforward if ff_dim is None else ff_dim
+        if d_model is None or nhead is None:
+            raise TypeError("TransformerEncoderLayer needs d_model and nhead (PyTorch's form), or embed_dim= and "
+                            "num_heads= (the article's).")
+        batch_first = article if batch_first is None else batch_first
+        activation = ("gelu" if article else "relu") if activation is None else activation
         _check_flags(batch_first=batch_first, norm_first=norm_first, bias=bias)
         if isinstance(layer_norm_eps, bool) or not isinstance(layer_norm_eps, (int, float)) or layer_norm_eps <= 0:
             raise ValueError(f"layer_norm_eps={layer_norm_eps!r} must be a number > 0 (the 6th argument, as in "
