@@ -3,7 +3,7 @@
 A run in a batch job or under `nohup ... > log` has no terminal, so Lightning's progress bar is off or silent, and
 nothing appeared for ~10 minutes an epoch: a run could not be told from a hung one. Then this callback logs
 
-    step 1,200 / 3,159 (38%)  epoch 2 / 3  loss 0.4213  19,400 tok/s  ETA 1 min 42 s
+    step 200 / 400 (50%)  epoch 1 / 3  loss 0.5897  16,610 tok/s  ETA 10 s
 
 where the counts are optimizer steps against the run's plan (trainer.estimated_stepping_batches), tok/s the real
 (non-pad) tokens trained per second since the last line, and ETA the steps left at the rate since training started.
