@@ -144,6 +144,10 @@ def test_a_sweep_run_until_decided_adds_seeds_only_where_needed_and_a_rerun_repl
     assert [look["seeds"] for look in record["looks"]] == [[0, 1], [0, 1, 2]]
     assert record["looks"][0]["verdicts"] == {"dropout_0.1": "inconclusive"}
     assert record["design"]["planned"] == [2, 3] and record["stopped"]["why"] == "not decided"  # its new members ran 2 batches
+    command = record["command"]  # what continues it: the overrides as typed, into its dir
+    assert command.startswith("mhalab-train -m hydra/sweeper=until_decided sweep.until_decided=true ")
+    assert "dropout=0.0,0.1 seed=0,1" in command and "hydra.mode" not in command
+    assert command.endswith(f" hydra.sweep.dir={sweep}") and command.count("hydra.sweep.dir=") == 1
     assert f"stopped: {stop_words(record['stopped'], [], record['design'], record['command'])}" in proc.stdout
     members = sorted(p.name.split(",~")[0] for p in sweep.iterdir() if (p / "metrics.json").is_file())
     assert members == ["dropout=0.0,seed=2", "dropout=0.1,seed=2"]  # only the new seed: seeds 0-1 came from the csv

@@ -131,6 +131,7 @@ class UntilDecidedSweeper(BasicSweeper):
 
     def _command(self, root: Path) -> str:
         """The command that runs this sweep again (and so continues it): the overrides as typed, into its dir."""
-        given = [str(o) for o in self.config.hydra.overrides.hydra if not str(o).startswith("hydra.sweep.dir=")]
+        given = [str(o) for o in self.config.hydra.overrides.hydra  # -m stands for hydra.mode=MULTIRUN
+                 if not str(o).startswith(("hydra.sweep.dir=", "hydra.mode="))]
         return " ".join(["mhalab-train -m", *given, *map(str, self.config.hydra.overrides.task),
                          f"hydra.sweep.dir={root}"])
