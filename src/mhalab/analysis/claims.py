@@ -102,7 +102,7 @@ def sweep_rows(data: str, preset: str, csv: Path, margin: float | None) -> tuple
             last = {k: {**c, "look": reads[-1]["look"], "of": len(sequential.planned_of(design))}
                     for k, c in reads[-1]["claims"].items()}
         except ConfigError:  # another margin than its design's: its looks are not read, and its row says so
-            fixed = fmt_num(sequential.DEFAULT_MARGIN if design.get("margin") is None else design["margin"])
+            fixed = fmt_num(sequential.margin_of(design.get("margin")))
             last = {v.key: {"not_read": f"run until decided at ±{fixed} point: not read at another margin"}
                     for v in compute_verdicts(df, METRIC, margin) if v.covered}
         info["until_decided"] = f" sweep.until_decided=true sweep.max_seeds={design['max_seeds']}"

@@ -194,6 +194,11 @@ def new_design(first: int, round_seeds: int, max_seeds: int, alpha: float, margi
             "metric": metric, "planned": list(planned_looks(first, round_seeds, max_seeds)), "extensions": []}
 
 
+def margin_of(margin: float | None) -> float:
+    """A design's margin in points (None: the default, DEFAULT_MARGIN): the one place that reads None so."""
+    return DEFAULT_MARGIN if margin is None else float(margin)
+
+
 def max_at(design: dict, k: int) -> int:
     """The max_seeds in force at look k (0-based): the design's, or an extension's from its look on."""
     return max([design["max_seeds"], *(e["max_seeds"] for e in design.get("extensions", []) if k >= e["at_look"])])
@@ -216,7 +221,7 @@ def check_design(recorded: dict, asked: dict, extend_to: int | None = None) -> N
     for key, option in DESIGN_KEYS.items():
         was, now = recorded.get(key), asked.get(key)
         if key == "margin":  # None is the default margin
-            was, now = (DEFAULT_MARGIN if x is None else float(x) for x in (was, now))
+            was, now = margin_of(was), margin_of(now)
         if was != now:
             fix = f"give {option}={was}" if key != "first" else f"give the seeds {recorded['planned'][0]} first"
             extend = (f", or extend it on purpose with sweep.extend_to={now}" if key == "max_seeds" and now > was
@@ -323,9 +328,9 @@ def check_reading(design: dict, metric: str, margin: float | None) -> None:
     if metric != design.get("metric", DEFAULT_METRIC):
         raise ConfigError(f"metric={metric}: this sweep ran until decided on metric={design['metric']} (its {RECORD}); "
                           "its looks hold only under that design: drop metric=")
-    if margin is not None and float(margin) != (DEFAULT_MARGIN if recorded is None else float(recorded)):
+    if margin is not None and float(margin) != margin_of(recorded):
         raise ConfigError(f"margin={fmt_num(margin)}: this sweep ran until decided with margin "
-                          f"{fmt_num(DEFAULT_MARGIN if recorded is None else recorded)} (its {RECORD}, fixed at its "
+                          f"{fmt_num(margin_of(recorded))} (its {RECORD}, fixed at its "
                           "first look); its looks hold only under that design: drop margin=")
 
 
@@ -374,7 +379,7 @@ def markdown(reads: list[dict], design: dict, command: str | None, df: pd.DataFr
     """The report's section on a sweep run until decided: why it stopped, each look's verdicts, then each
     comparison's repeated interval at the last look it gained seeds, and the look that decided it."""
     last = reads[-1]
-    margin = DEFAULT_MARGIN if design.get("margin") is None else design["margin"]
+    margin = margin_of(design.get("margin"))
     extended = "".join(f"; extended to {e['max_seeds']} seeds after look {e['at_look']} (sweep.extend_to: the looks "
                        "taken keep their boundaries, the level not yet spent goes to the new looks)"
                        for e in design.get("extensions", []))
