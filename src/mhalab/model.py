@@ -35,6 +35,7 @@ from torch import Tensor, nn
 
 from mhalab.errors import CheckpointError
 from mhalab.nn.attention import BLOCK_MIN_SCORES, QUERY_BLOCK, MultiHeadAttention, check_heads
+from mhalab.nn.dropout import DRAWS, use_dropout16
 from mhalab.nn.encoder import OfficialEncoder, TransformerEncoder, TransformerEncoderLayer, reset_parameters
 from mhalab.nn.kernels import LinformerAttention, PerformerAttention, WindowAttention
 from mhalab.nn.positions import ALiBi, LearnedPosition, RotaryEmbedding, SinusoidalPosition, T5RelativeBias
@@ -178,7 +179,8 @@ POOLINGS = ("mean", "cls", "max")  # max: each feature's largest value over real
 ENCODERS = ("custom", "official")
 
 
-def check_model(encoder: str, pooling: str, attention: str, pos: str, head_dim: int | None = None) -> None:
+def check_model(encoder: str, pooling: str, attention: str, pos: str, head_dim: int | None = None,
+                dropout_draw: str = "torch") -> None:
     """The classifier's own rules (the config validation runs them too).
 
     Raises:
@@ -199,6 +201,11 @@ def check_model(encoder: str, pooling: str, attention: str, pos: str, head_dim: 
             f"model=official cannot take model.head_dim={head_dim}: nn.MultiheadAttention splits dim among the "
             f"heads; set model.head_dim=null (dim / heads) or use model=custom."
         )
+    if dropout_draw not in DRAWS:
+        raise ValueError(f"unknown model.dropout_draw '{dropout_draw}'; choose one of {', '.join(DRAWS)}.")
+    if encoder == "official" and dropout_draw != "torch":
+        raise ValueError(f"model=official cannot take model.dropout_draw={dropout_draw}: PyTorch's encoder draws its "
+                         f"own masks; set model.dropout_draw=torch or use model=custom.")
 
 
 class SequenceClassifier(nn.Module):
@@ -231,6 +238,9 @@ class SequenceClassifier(nn.Module):
         query_block: the queries of one such block.
         head_dim: each head's width; None: dim / heads (the article's rule); any other width decouples the
             heads' width from dim (custom only).
+        dropout_draw: "torch": every dropout is PyTorch's (the same seed, PyTorch's masks); "16bit": each is
+            nn.dropout.Dropout16, whose CPU masks cost a quarter of the draws (custom only; the model config's
+            default).
 
     Raises:
         ValueError: what check_model and check_attention refuse.
@@ -258,9 +268,10 @@ class SequenceClassifier(nn.Module):
         block_min_scores: int | None = BLOCK_MIN_SCORES,
         query_block: int = QUERY_BLOCK,
         head_dim: int | None = None,
+        dropout_draw: str = "torch",
     ):
         super().__init__()
-        check_model(encoder, pooling, attention, pos, head_dim)
+        check_model(encoder, pooling, attention, pos, head_dim, dropout_draw)
 
         self.pooling, self.pad_id = pooling, pad_id
         n_pos = max_len + (pooling == "cls")  # the CLS vector takes position 0
@@ -301,6 +312,8 @@ class SequenceClassifier(nn.Module):
         self.embed_drop = nn.Dropout(dropout if embed_dropout is None else embed_dropout)
         self.drop = nn.Dropout(dropout)
         self.head = nn.Linear(dim, num_classes)
+        if dropout_draw == "16bit":
+            use_dropout16(self)
 
     def compile_positionwise(self) -> int:
         """torch.compile each encoder layer's position-wise half (TransformerEncoderLayer.compile_positionwise: one

@@ -22,12 +22,13 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from mhalab.nn.masks import ShapeError, dead_rows, merge_masks, to_additive
+from mhalab.nn.dropout import draws_own_mask
 from mhalab.nn.script import refuse
 from mhalab.nn.unpad import Unpadding
 from mhalab.nn.varlen import varlen_applies, varlen_attention
 
 # CPU training with dropout and at least BLOCK_MIN_SCORES scores per (batch, head) attends in query blocks
-# of QUERY_BLOCK rows (see _blocked_sdpa): memory for time, so only from L = 2048 on, where the (L, L)
+# of QUERY_BLOCK rows (see _blocked): memory for time, so only from L = 2048 on, where the (L, L)
 # tensors dominate a training step's memory. The defaults of the constructor arguments (and of
 # conf/model/custom.yaml, which a test keeps equal).
 BLOCK_MIN_SCORES = 2048 * 2048
@@ -51,7 +52,7 @@ class ScaledDotProductAttention(nn.Module):
 
     block_min_scores, query_block: on CPU, in training with dropout, a (batch, head) with at least
     block_min_scores (L_q * L_k) scores attends query_block queries at a time, each block recomputed
-    in backward (see _blocked_sdpa). None turns it off. Neither is a parameter or buffer, so
+    in backward (see _blocked). None turns it off. Neither is a parameter or buffer, so
     checkpoints load whatever their values.
     """
 
@@ -82,24 +83,21 @@ class ScaledDotProductAttention(nn.Module):
         if dead is not None:    # data-dependent branch under torch.compile; zeroing all-live rows is a no-op
             mask = mask.masked_fill(dead, 0.0)  # keep softmax finite; the row is zeroed below
 
+        p = self.dropout.p if self.training else 0.0
+        L_q, L_k = Q.size(-2), K.size(-2)
+        blocked = (p > 0 and Q.device.type == "cpu" and torch.is_grad_enabled() and self.block_min_scores is not None
+                   and L_q * L_k >= self.block_min_scores and L_q > self.query_block)
         if need_weights:
-            # scale q (L_q x d numbers) rather than the scores (L_q x L_k), as PyTorch's MHA does
-            scores = (Q * (1.0 / math.sqrt(Q.size(-1)))) @ K.transpose(-2, -1)  # (..., L_q, L_k)
-            if mask is not None:
-                scores = scores + mask
-            # softmax in at least float32: bf16/fp16 scores lose too much precision in exp/sum
-            # (float64 stays float64)
-            weights = F.softmax(scores, dim=-1, dtype=torch.promote_types(Q.dtype, torch.float32)).to(Q.dtype)
-            if dead is not None:
-                weights = weights.masked_fill(dead, 0.0)
-            weights = self.dropout(weights)
-            out = weights @ V  # (..., L_q, d)
+            out, weights = self._explicit(Q, K, V, mask, dead)
+        elif draws_own_mask(self.dropout, Q):  # a dropout that is not SDPA's: the explicit computation (CPU SDPA
+            # with dropout computes it too); in query blocks under checkpointing, as _blocked does
+            out = (_blocked(lambda q, m, d: self._explicit(q, K, V, m, d)[0], Q, mask, dead, self.query_block)
+                   if blocked else self._explicit(Q, K, V, mask, dead)[0])
+            weights = None
         else:
-            p = self.dropout.p if self.training else 0.0
-            L_q, L_k = Q.size(-2), K.size(-2)
-            if (p > 0 and Q.device.type == "cpu" and torch.is_grad_enabled() and self.block_min_scores is not None
-                    and L_q * L_k >= self.block_min_scores and L_q > self.query_block):
-                out = _blocked_sdpa(Q, K, V, mask, p, self.query_block)
+            if blocked:
+                out = _blocked(lambda q, m, d: F.scaled_dot_product_attention(q, K, V, attn_mask=m, dropout_p=p),
+                               Q, mask, dead, self.query_block)
             else:
                 out = F.scaled_dot_product_attention(Q, K, V, attn_mask=mask, dropout_p=p)
             weights = None
@@ -107,24 +105,39 @@ class ScaledDotProductAttention(nn.Module):
                 out = out.masked_fill(dead, 0.0)
         return out, weights
 
+    def _explicit(self, Q: Tensor, K: Tensor, V: Tensor, mask: Tensor | None, dead: Tensor | None
+                  ) -> tuple[Tensor, Tensor]:
+        """The computation written out: (..., L_q, d) outputs and the (..., L_q, L_k) weights (after dropout).
+        mask: additive, dead rows already zeroed (forward)."""
+        # scale q (L_q x d numbers) rather than the scores (L_q x L_k), as PyTorch's MHA does
+        scores = (Q * (1.0 / math.sqrt(Q.size(-1)))) @ K.transpose(-2, -1)  # (..., L_q, L_k)
+        if mask is not None:
+            scores = scores + mask
+        # softmax in at least float32: bf16/fp16 scores lose too much precision in exp/sum
+        # (float64 stays float64)
+        weights = F.softmax(scores, dim=-1, dtype=torch.promote_types(Q.dtype, torch.float32)).to(Q.dtype)
+        if dead is not None:
+            weights = weights.masked_fill(dead, 0.0)
+        weights = self.dropout(weights)
+        return weights @ V, weights  # (..., L_q, d), (..., L_q, L_k)
 
-def _blocked_sdpa(Q: Tensor, K: Tensor, V: Tensor, mask: Tensor | None, p: float, block: int) -> Tensor:
-    """SDPA with dropout, `block` queries at a time, each block recomputed in backward.
+
+def _blocked(attend, Q: Tensor, mask: Tensor | None, dead: Tensor | None, block: int) -> Tensor:
+    """attend(q, mask rows, dead rows) with dropout, `block` queries at a time, each block recomputed in backward.
 
     On CPU, SDPA has no fused kernel with dropout: it falls back to the explicit computation, whose
     autograd keeps the (..., L_q, L_k) scores, weights and dropout mask for backward (PyTorch's
     module does the same). Under activation checkpointing each block keeps only its inputs, and
     backward recomputes it, replaying the same dropout draws (checkpoint restores the RNG state).
     Peak memory: one (..., block, L_k) block instead of the whole matrix; cost: attention's forward
-    runs twice. The result is that of SDPA with the dropout mask drawn block by block.
+    runs twice. The result is that of attending all queries at once with the dropout mask drawn block by block.
     """
     outs = []
     for s in range(0, Q.size(-2), block):
-        m = mask
+        m, d = mask, dead
         if mask is not None and mask.dim() >= 2 and mask.size(-2) > 1:  # per-query rows: slice them
-            m = mask[..., s : s + block, :]
-        outs.append(checkpoint(F.scaled_dot_product_attention, Q[..., s : s + block, :], K, V, attn_mask=m,
-                               dropout_p=p, use_reentrant=False))
+            m, d = mask[..., s : s + block, :], dead[..., s : s + block, :]
+        outs.append(checkpoint(attend, Q[..., s : s + block, :], m, d, use_reentrant=False))
     return torch.cat(outs, dim=-2)  # (..., L_q, d)
 
 

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mhalab.nn.attention import MultiHeadAttention, causal_mask, check_heads
+from mhalab.nn.dropout import Dropout16, use_dropout16
 from mhalab.nn.masks import to_additive
 from mhalab.nn.script import refuse
 from mhalab.nn.unpad import Unpadding
@@ -221,7 +222,11 @@ class TransformerEncoderLayer(nn.Module):
 
         Dropout draws from PyTorch's generator, as it does uncompiled (Inductor's fallback_random): the same seed
         gives the same masks, so a compiled run's numbers are the eager run's (tests/test_compile.py), and on CPU
-        PyTorch's bernoulli is faster than the generator Inductor writes into its kernels (results/bench/compile.md)."""
+        PyTorch's bernoulli is faster than the generator Inductor writes into its kernels (results/bench/compile.md).
+        Dynamo cannot trace Dropout16's in-place draw: the half's dropouts become PyTorch's again."""
+        use_dropout16(self.ffn, back=True)
+        if isinstance(self.dropout2, Dropout16):
+            self.dropout2 = nn.Dropout(self.dropout2.p).train(self.dropout2.training)
         self._after_attention = torch.compile(self._after_attention, dynamic=True, options={"fallback_random": True})
 
     def _ff(self, x: Tensor) -> Tensor:

@@ -26,7 +26,7 @@ Not counted (neither does torch.utils.flop_counter.FlopCounterMode, which counts
 kernels only): softmax, LayerNorm, the activation, dropout, masks, residual adds, positions (RoPE,
 ALiBi, T5 are elementwise), the embedding lookup and pooling. They are O(N * E) against the matmuls'
 O(N * E^2), a few per cent at E = 128. Nor the CPU query-block recomputation (attention.py's
-_blocked_sdpa runs attention's forward twice): these are the model's FLOPs, as MFU defines them.
+attention._blocked runs attention's forward twice): these are the model's FLOPs, as MFU defines them.
 
 Training is counted as 3 x forward: backward computes two matmuls (input and weight gradients) per
 forward matmul. (Performer's random features are a buffer, so its Q W^T, K W^T have no weight gradient;

@@ -172,7 +172,7 @@ def validate(cfg: DictConfig) -> None:
         if p is not None and not 0.0 <= p < 1.0:
             raise ConfigError(f"{_name(key)}={OmegaConf.select(cfg, key)} must be in [0, 1), e.g. 0.1.")
     _choice(m.activation, tuple(ACTIVATIONS), "model.activation")
-    _ok(check_model, m.encoder, m.pooling, m.attention, m.pos, head_dim)
+    _ok(check_model, m.encoder, m.pooling, m.attention, m.pos, head_dim, m.get("dropout_draw", "torch"))
     options = OmegaConf.to_container(m.get("attention_options") or {}, resolve=True)
     _ok(check_attention, m.attention, m.pos, options, model_max_len + (m.pooling == "cls"))
     _ok(check_blocking, m.get("block_min_scores"), m.get("query_block", QUERY_BLOCK), "model.")  # CPU query blocks
