@@ -37,7 +37,7 @@ GROUPS = (
     ("embedding", ("embedding",)),
     ("attention", ("scaled_dot_product", "softmax", "_flash_attention", "_efficient_attention")),
     ("matmul", ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::addmv", "aten::mv")),
-    ("norm / activation / dropout", ("layer_norm", "gelu", "dropout", "bernoulli", "native_dropout")),
+    ("norm / activation / dropout", ("layer_norm", "gelu", "dropout", "bernoulli", "random_", "aten::where")),
     ("loss and metrics", ("cross_entropy", "nll_loss", "log_softmax", "argmax", "aten::eq", "bincount",
                           "aten::sum", "aten::mean")),
     ("copies, views, index (rest of ATen)", ("",)),
