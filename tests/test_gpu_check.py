@@ -89,6 +89,25 @@ def test_dry_run_training_ran_the_steps_asked(dry_run):
     assert t["step_ms"] == pytest.approx(t["fit_time_s"] / 8 * 1e3)
 
 
+def test_train_part_gives_the_default_runs_training_rate_beside_the_committed_cpu_figure(dry_run, tmp_path):
+    import copy
+
+    import pandas as pd
+
+    (tmp_path / "logs").mkdir()
+    pd.DataFrame({"step": [49, 59, 99, 149], "train/device/items_per_sec": [100.0, None, 250.0, 300.0]}).to_csv(
+        tmp_path / "logs" / "metrics.csv", index=False)
+    rate = gc._train_rate(tmp_path)
+    cpu = json.loads((ROOT / "results" / "default_run" / "metrics.json").read_text())
+    assert rate["train_items_per_s"] == 250.0  # the median of the logged rates (the empty row is not one)
+    assert rate["cpu_default_run_tokens_per_s"] == cpu["tokens_per_s"]
+    r = copy.deepcopy(dry_run[0])
+    r["parts"]["train"]["figures"].update(rate)
+    line = next(x for x in gc.markdown(r).splitlines() if x.startswith("Default run's training throughput"))
+    assert "250 real tokens/s" in line and f"{cpu['tokens_per_s']:,.0f}" in line
+    assert cpu["provenance"]["git_commit"][:7] in line
+
+
 def test_parts_with_too_little_left_of_the_budget_are_skipped_and_say_why(tmp_path, capsys):
     # what a check that overran its budget writes: every part recorded, none started past the budget
     assert gc.main(["--cpu", "--budget", "0", "--out", str(tmp_path / "out"), "--bundle", str(tmp_path / "none")]) == 0

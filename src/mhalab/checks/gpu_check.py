@@ -482,7 +482,8 @@ def part_train(data_dir: Path, work: Path, sizes: Sizes) -> dict:
                "dev_acc": best.get("val/acc"), "test_acc": best.get("test/acc"),
                "tokens_per_s": record.get("tokens_per_s"), "fit_time_s": record.get("fit_time_s"),
                "step_ms": None if not steps else record["fit_time_s"] / steps * 1e3,
-               "peak_mem_mb": record.get("peak_mem_mb"), "params": record.get("params"), **_memory_curve(run_dir)}
+               "peak_mem_mb": record.get("peak_mem_mb"), "params": record.get("params"), **_memory_curve(run_dir),
+               **_train_rate(run_dir)}
     if record.get("status") != "finished":
         raise PartError(f"the run's status is {record.get('status')}: {record.get('error')}", figures)
     return figures
@@ -504,6 +505,26 @@ def _memory_curve(run_dir: Path) -> dict:
     return {"cuda_reserved_mb_max": float(reserved.max()), "cuda_allocated_mb_max": float(allocated.max()),
             "cuda_reserved_over_allocated_last": float(reserved.iloc[-1] / max(allocated.iloc[-1], 1e-9)),
             "cuda_reserved_mb_first_last": [float(reserved.iloc[0]), float(reserved.iloc[-1])]}
+
+
+def _train_rate(run_dir: Path) -> dict:
+    """The default run's training throughput as the CPU's README figure is read: real tokens per second of training
+    (RealTokenThroughput's train/device/items_per_sec, validation left out), the median of its logged rates, beside
+    the committed CPU default run's (results/default_run/metrics.json: tokens over its fit)."""
+    import pandas as pd
+
+    out = {}
+    cpu = ROOT / "results" / "default_run" / "metrics.json"
+    if cpu.is_file():
+        rec = json.loads(cpu.read_text())
+        out["cpu_default_run_tokens_per_s"] = rec.get("tokens_per_s")
+        out["cpu_default_run_commit"] = (rec.get("provenance") or {}).get("git_commit")
+    logs = list(run_dir.glob("logs/metrics.csv"))
+    if logs:
+        rates = pd.read_csv(logs[0]).get("train/device/items_per_sec")
+        if rates is not None and rates.notna().any():
+            out["train_items_per_s"] = float(rates.dropna().median())
+    return out
 
 
 BASELINES = ROOT / "results" / "baselines"  # mhalab-baseline data=<set>: TF-IDF + logistic regression
@@ -776,6 +797,11 @@ def markdown(r: dict) -> str:
                       f"a step, validation included), {_f(tr.get('tokens_per_s'), '.0f')} tokens/s; dev acc "
                       f"{_f(tr.get('dev_acc'), '.4f')}, test acc {_f(tr.get('test_acc'), '.4f')}; CUDA memory reserved "
                       f"/ allocated at the end {_f(tr.get('cuda_reserved_over_allocated_last'), '.2f')}x")]
+        if tr.get("train_items_per_s") is not None:  # the line the README's CPU figure is compared with
+            lines += ["", (f"Default run's training throughput: {tr['train_items_per_s']:,.0f} real tokens/s on "
+                          f"{tr.get('device_name')} (median of the logged rolling rates, validation left out); this "
+                          f"project's CPU default run: {_f(tr.get('cpu_default_run_tokens_per_s'), ',.0f')} "
+                          f"(results/default_run, commit {str(tr.get('cpu_default_run_commit'))[:7]})")]
     im = fig("imdb")
     if im.get("test_acc") is not None:
         lines += ["", (f"IMDB at the article's width, masked-LM self-pretraining ({im.get('pretrain_steps')} steps, final "
