@@ -118,7 +118,7 @@ def loop(argv: list[str]) -> None:
     torch.manual_seed(a["seed"])
     rng = np.random.default_rng(a["seed"])
     model = SequenceClassifier(8000, 2, dim=a["dim"], heads=4, layers=a["layers"], ff_dim=4 * a["dim"], dropout=0.2,
-                               max_len=512)
+                               max_len=512, dropout_draw="16bit")  # as the framework's runs draw their masks
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     t0 = time.perf_counter()
     for step in range(1, a["steps"] + 1):

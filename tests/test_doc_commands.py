@@ -13,7 +13,7 @@ own, forked from one that has imported what the commands import (tests/fork_serv
   a sweep a later `mhalab-ensemble runs=` line reads gets `seed=0,1,2` instead (an ensemble of 3 members);
 - GPU-sized lines (`experiment=article`, `*_gpu`): the CPU, float32, batches of 4 x 32 tokens and one
   layer of the article's width (dim 512, 8 heads, ff 2048): each checkpoint of six would be 230 MB;
-- `make bench`: one short sequence length, one repetition.
+- `make bench`: one short sequence length, one repetition; `scripts/sequential_cost.py`: a tenth of its draws.
 `<run>` and `<sweep>` stand for the run and the sweep the first such commands made. A line that needs a GPU
 (`trainer=ddp`, `trainer=gpu`) runs as typed on a machine without one and must refuse in one line, exit 2,
 writing nothing (on a GPU machine it is composed). Lines that need what CI does not have (a SLURM cluster,
@@ -73,6 +73,8 @@ UNTIL_DECIDED = ["seed=0,1", "sweep.max_seeds=3", "sweep.round_seeds=1"]
 ON_CPU = ["trainer.accelerator=cpu", "trainer.precision=32-true", "trainer.devices=1", "batch_size=4",
           "max_len=32", "layers=1"]
 BENCH = "seq_lens=[64] reps=1 warmup=0 memory=false"
+# simulations: a tenth of the draws (the committed table's figures come from the defaults)
+SIMULATE = {"scripts/sequential_cost.py": ["draws=2000", "calibration=10000"]}
 # a GPU line on a machine without one refuses in one line, before anything is read or written
 NEEDS_GPU = ("trainer=ddp ", "trainer=gpu ")
 COMPOSE_ONLY = {"trainer=ddp": "needs GPUs", "hydra/launcher=slurm": "needs a SLURM cluster",
@@ -181,7 +183,7 @@ def _expand(words: list[str], state: dict) -> tuple[list[str], str]:
         return make, "plain"
     cmd = _argv(words)
     if not _is_train(words):
-        return cmd, "plain"
+        return cmd + SIMULATE.get(words[1] if len(words) > 1 else "", []), "plain"
     if any(key in f"{line} " for key in NEEDS_GPU) and not torch.cuda.is_available():
         return [*cmd, *TINY, "hydra.run.dir=outputs/refused"], "refused"
     if any(key in line for key in COMPOSE_ONLY):
