@@ -7,8 +7,8 @@ Each data set trains the default run's model (its config composed as `mhalab-tra
 default callbacks and a CSV logger) through Lightning for warm-up + 2 x `steps` optimizer steps (IMDB: a quarter of
 that): the first `steps` are timed by phase alone (no profiler), the next `steps` under torch.profiler for the op
 groups. Phases come from the Callback hooks' clock: `data` from the end of one step to the start of the next (the
-next batch, the collate, the loop), `forward` training_step (forward, loss, metrics, self.log), `backward`,
-`optimizer` (gradient clipping, AdamW, the scheduler, zero_grad), `hooks` the callbacks and loggers after the step.
+next batch, the collate, the loop), `forward` zero_grad and training_step (forward, loss, metrics, self.log),
+`backward`, `optimizer` (gradient clipping, AdamW, the scheduler), `hooks` the callbacks and loggers after the step.
 Op groups are self-times of ATen ops, so they add up without double counting; what is in no op (Python:
 Lightning's loop, our modules' Python, the autograd engine's bookkeeping) is the wall time left over.
 """
