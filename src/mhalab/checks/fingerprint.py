@@ -11,7 +11,6 @@ re-runs the default run, so README's figure is always this code's.
 from __future__ import annotations
 
 import json
-import tempfile
 from pathlib import Path
 
 import pandas as pd
@@ -62,8 +61,3 @@ def read(run_dir: Path) -> dict:
 def write(run_dir: Path, print_: dict) -> None:
     (run_dir / FILE).write_text(json.dumps(print_, indent=1) + "\n")
 
-
-def measure_here(data_dir: str | None = None, cache_dir: str | None = None) -> dict:
-    """measure() in a temporary dir."""
-    with tempfile.TemporaryDirectory() as d:
-        return measure(Path(d) / "run", data_dir, cache_dir)
