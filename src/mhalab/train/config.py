@@ -195,6 +195,9 @@ def validate(cfg: DictConfig) -> None:
             raise ConfigError(f"max_epochs={epochs} would train forever and the lr schedule needs a length; set "
                               f"max_epochs >= 1, or trainer.max_steps=N.")
     _int(cfg, "seed", 0)
+    from mhalab.train.common_random import INIT_DRAWS
+
+    _choice(cfg.get("init_draw", "torch"), INIT_DRAWS, "init_draw")
     if OmegaConf.select(cfg, "sweep.until_decided"):
         from hydra.core.hydra_config import HydraConfig
 

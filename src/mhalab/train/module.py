@@ -28,6 +28,7 @@ from torchmetrics.classification import (
 )
 
 from mhalab.model import ATTENTION_OPTIONS, SequenceClassifier
+from mhalab.train.common_random import keyed_init_
 from mhalab.nn.flops import train_flops
 from mhalab.train.callbacks.throughput import batch_tokens
 from mhalab.train.optimizer import (
@@ -86,6 +87,7 @@ class Classifier(L.LightningModule):
         checkpoint_extras: dict | None = None,
         label_names: list[str] | None = None,
         encoder: dict | None = None,
+        init_seed: int | None = None,
     ):
         super().__init__()
         check_schedule(schedule)
@@ -95,6 +97,8 @@ class Classifier(L.LightningModule):
                              f"num_classes={num_classes}; give one name per class, or none.")
         self.save_hyperparameters(ignore=["checkpoint_extras", "encoder"])  # the extras have their own entry, below
         self.model = SequenceClassifier(vocab_size=vocab_size, num_classes=num_classes, pad_id=pad_id, **model)
+        if init_seed is not None:  # init_draw=keyed: each weight keyed by (seed, its name), not by construction order
+            keyed_init_(self.model, init_seed)
         if encoder is not None:  # a pretrained start (mhalab.train.pretrain.stage): every weight but the head
             self.model.load_encoder(encoder)
         # one sequence of max_len real tokens: the model summary counts each module's FLOPs on it (its FLOPs column).

@@ -36,6 +36,7 @@ from mhalab.nn.attention import check_heads
 from mhalab.train import checkpoint, pretrain, record
 from mhalab.train.callbacks import GracefulStop, LogEveryEpoch, ResumeState
 from mhalab.train.callbacks.memory import peak_memory_mb, reset_peak_memory
+from mhalab.train.common_random import start_dropout_stream
 from mhalab.train.config import datamodule, instantiate, setup_process, validate
 from mhalab.train.console import quiet, summary
 from mhalab.train.loggers import finish
@@ -220,12 +221,15 @@ def build(cfg: DictConfig, encoder: pretrain.Encoder | None = None) -> tuple[L.L
     extras = {"datamodule_key": type(dm).__qualname__, "data": dm.source_config()}
     if encoder:
         extras["pretrain"] = {k: v for k, v in encoder.meta.items() if k not in ("model", "data")}
+    keyed = cfg.get("init_draw", "torch") == "keyed"  # common random numbers (mhalab.train.common_random)
     module = Classifier(
         model=OmegaConf.to_container(cfg.model, resolve=True), vocab_size=dm.vocab_size,
         num_classes=dm.num_classes, label_names=dm.label_names, pad_id=dm.pad_id, compile=bool(cfg.compile),
         checkpoint_extras=extras, encoder=encoder.state if encoder else None,
-        **OmegaConf.to_container(cfg.optim, resolve=True),
+        init_seed=int(cfg.seed) if keyed else None, **OmegaConf.to_container(cfg.optim, resolve=True),
     )
+    if keyed:  # the dropout masks start where the seed says, whatever building the model drew
+        start_dropout_stream(int(cfg.seed))
     return dm, module
 
 

@@ -51,7 +51,7 @@ RESULT_COLUMNS = [
     "monitored", "best_val_loss", "best_epoch", "final_val_acc", "test_f1", "test_loss", "global_step",
     "padding_fraction", "dim", "heads", "head_dim", "layers", "ff_dim", "ff_ratio", "dropout", "lr",
     "batch_size", "max_epochs", "max_len", "dataset", "data_files", "train_size", "val_size", "test_size",
-    "attention", "pos", "device",
+    "attention", "pos", "init_draw", "dropout_draw", "device",
     "val_majority_acc", "val_classes_predicted", *trained.COLUMNS,
 ]
 
@@ -285,6 +285,9 @@ def load_member(member_dir: Path, root: Path, metric: str = DEFAULT_METRIC) -> d
     row["train_size"], row["val_size"], row["test_size"] = (sizes.get(s) for s in ("train", "validation", "test"))
     row["attention"] = _cfg_get(cfg, "attention")
     row["pos"] = _cfg_get(cfg, "pos")
+    # how its random numbers were drawn (a run recorded before these keys drew PyTorch's way)
+    row["init_draw"] = _cfg_get(cfg, "init_draw") or "torch"
+    row["dropout_draw"] = _cfg_get(cfg, "dropout_draw") or "torch"
     # did it learn? the validation split's majority-class share, and how many classes the best checkpoint predicts
     confusion = ((data.get("classes") or {}).get("validation") or {}).get("confusion")
     if confusion:

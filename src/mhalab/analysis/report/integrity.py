@@ -27,7 +27,7 @@ from mhalab.errors import DataError
 ACCURACIES = ("best_val_acc", "final_val_acc", "test_acc")  # fractions in [0, 1], whatever the monitored metric
 # the config of a run: one value per setting (the swept keys are in the setting, so any difference is not swept)
 CONFIG = ("dim", "heads", "head_dim", "layers", "ff_dim", "dropout", "lr", "batch_size", "max_epochs", "max_len",
-          "dataset", "attention", "pos")
+          "dataset", "attention", "pos", "init_draw", "dropout_draw")
 SHOWN = 4  # rows named in a message, then "and N more"
 
 
