@@ -88,7 +88,7 @@ def test_a_narrower_parameter_is_the_leading_block_of_the_wider_ones_draw_scaled
         n_view = n.view(view(owner_n)) if view else n
         block = w_view[tuple(slice(0, s) for s in n_view.shape)]
         torch.testing.assert_close(n_view, block * (how[1](owner_n) / how[1](owner_w)), rtol=1e-6, atol=0,
-                                   msg=lambda m: f"{name}: {m}")
+                                   msg=lambda m, name=name: f"{name}: {m}")
 
 
 def test_keyed_weights_depend_on_the_seed_and_name_not_on_the_generator_or_construction_order():
