@@ -42,13 +42,13 @@ def main(argv: list[str]) -> int:
     sign = 1.0 if stats.higher_is_better(opts["metric"]) else -1.0
     verdict, why, (comp,) = stats.claim_verdict(groups["new"], [groups["old"]], sign, margin)
     new, old = groups["new"], groups["old"]
-    lines = [f"`{opts['new']}` against `{opts['old']}` in `{root}` ({opts['metric']}, margin ±{opts['margin']}{unit}; "
-             f"`python scripts/equivalence.py {' '.join(argv)}`)", "",
+    lines = [(f"`{opts['new']}` against `{opts['old']}` in `{root}` ({opts['metric']}, margin ±{opts['margin']}{unit}; "
+              f"`python scripts/equivalence.py {' '.join(argv)}`)"), "",
              f"- {opts['new']}: {scale * new.mean:.2f} ± {scale * new.std:.2f} over {new.n_seeds} seeds",
              f"- {opts['old']}: {scale * old.mean:.2f} ± {scale * old.std:.2f} over {old.n_seeds} seeds",
-             f"- effect (new − old, {comp.test}, {comp.n} seeds): {scale * comp.effect:+.2f}{unit}, 95% CI "
+             (f"- effect (new − old, {comp.test}, {comp.n} seeds): {scale * comp.effect:+.2f}{unit}, 95% CI "
              f"[{scale * comp.ci_low:+.2f}, {scale * comp.ci_high:+.2f}]; p (difference) {stats.fmt_p(comp.p_diff)}, "
-             f"p (equivalence, TOST) {stats.fmt_p(comp.p_equivalent)}",
+             f"p (equivalence, TOST) {stats.fmt_p(comp.p_equivalent)}"),
              f"- verdict: **{verdict}** ({why})"]
     if math.isfinite(comp.seeds_needed):
         lines.append(f"- seeds per group for 80% power at the margin: {comp.seeds_needed:.0f}")

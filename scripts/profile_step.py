@@ -165,8 +165,8 @@ class ProfileConfig:
 
 
 def render(rows: list[dict], sgemm: dict[str, float], argv: list[str]) -> str:
-    lines = [f"Where a training step's time goes (`python scripts/profile_step.py {' '.join(argv)}`, "
-             f"{rows[0]['threads']} threads)", "",
+    lines = [(f"Where a training step's time goes (`python scripts/profile_step.py {' '.join(argv)}`, "
+              f"{rows[0]['threads']} threads)"), "",
              "| data | steps | real tok/s | ms/step | " + " | ".join(PHASES) + " |",
              "|---|---|---|---|" + "---|" * len(PHASES)]
     for r in rows:
@@ -175,8 +175,8 @@ def render(rows: list[dict], sgemm: dict[str, float], argv: list[str]) -> str:
                      + " | ".join(f"{ms[p]:.1f} ({100 * ms[p] * r['steps'] / 1e3 / r['wall']:.0f}%)"
                                   for p in PHASES) + " |")
     groups = [g for g, _ in GROUPS] + ["in no ATen op (Python: Lightning, modules, autograd)"]
-    lines += ["", "Under torch.profiler (self-time of ATen ops, ms per step; the profiler's own cost inflates "
-              "small ops):", "", "| group | " + " | ".join(r["data"] for r in rows) + " |",
+    lines += ["", ("Under torch.profiler (self-time of ATen ops, ms per step; the profiler's own cost inflates "
+                   "small ops):"), "", "| group | " + " | ".join(r["data"] for r in rows) + " |",
               "|---|" + "---|" * len(rows)]
     for g in groups:
         cells = [f"{1e3 * r['ops'].get(g, 0) / r['steps']:.1f} ({100 * r['ops'].get(g, 0) / r['prof_wall']:.0f}%)"

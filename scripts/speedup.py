@@ -67,9 +67,9 @@ def main(argv: list[str]) -> int:
         print(f"error: cases={bad}: choose among {list(CASES)}", file=sys.stderr)
         return 2
     trees = {"base": checkout(opts["base"]), "head": REPO}
-    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True).stdout
     dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
-                                capture_output=True, text=True).stdout.strip())
+                                capture_output=True, text=True, check=True).stdout.strip())
     runs: dict[tuple[str, str], list[dict]] = {(c, k): [] for c in cases for k in trees}
     t_start = time.time()
     with tempfile.TemporaryDirectory() as d:
@@ -82,10 +82,10 @@ def main(argv: list[str]) -> int:
                 for k, tree in trees.items():
                     runs[(c, k)].append(run_once(tree, c, tmp / f"{c}-{k}-{r}"))
                     print(c, k, r, json.dumps(runs[(c, k)][-1]), flush=True)
-    lines = [f"This checkout ({head.strip()}{', with uncommitted changes' if dirty else ''}) against "
+    lines = [(f"This checkout ({head.strip()}{', with uncommitted changes' if dirty else ''}) against "
              f"{opts['base']}, interleaved, {opts['reps']} repetitions "
              f"(`python scripts/speedup.py {' '.join(argv)}`, {time.strftime('%Y-%m-%d', time.gmtime(t_start))}, "
-             f"{os.cpu_count()} CPUs, {(time.time() - t_start) / 60:.0f} min)", "",
+             f"{os.cpu_count()} CPUs, {(time.time() - t_start) / 60:.0f} min)"), "",
              "| case | measure | base (each run) | this checkout (each run) | ratio of medians |", "|---|---|---|---|---|"]
     for c in cases:
         key, unit, better = ("wall_s", "s", "lower") if c == "make_train" else ("tok_s", "real tok/s", "higher")

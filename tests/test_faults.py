@@ -199,6 +199,7 @@ def ddp_straight(tmp_path_factory, toy_data_dir, fork_server) -> Path:
     return out
 
 
+@pytest.mark.slow  # ~25 s: two DDP runs of two processes (make test-slow); the two-node test below resumes DDP in CI
 def test_ddp_run_preempted_mid_epoch_resumes_every_rank_equal_to_the_uninterrupted_one(
         ddp_straight, tmp_path, toy_data_dir, fork_server):
     """Each rank draws its own dropout masks, so each rank's RNG states are saved and restored as its own; the

@@ -33,6 +33,7 @@ def _env(**extra) -> dict:
     return env | {"OMP_NUM_THREADS": "1"} | extra
 
 
+@pytest.mark.slow  # 40-50 s: two training loops of 60 steps (make test-slow)
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the preloaded allocator is Linux's")
 def test_memory_of_varying_length_training_stays_flat_under_the_runs_allocator_and_grows_under_glibc():
     launched = preload_env(_env())

@@ -17,6 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from conftest import REPO
 
 from mhalab.train import record
@@ -93,6 +94,7 @@ def _fake_slurm(bin_dir: Path) -> None:
         path.chmod(path.stat().st_mode | stat.S_IXUSR)
 
 
+@pytest.mark.slow  # ~20 s: a submitit sweep of local array tasks (make test-slow); its command is composed in CI
 def test_sweep_through_submitit_submits_one_array_job_whose_tasks_train_each_member(tmp_path, toy_data_dir):
     _fake_slurm(tmp_path / "bin")
     log, sweep = tmp_path / "slurm", tmp_path / "sweep"

@@ -21,8 +21,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from mhalab.nn.masks import ShapeError, dead_rows, merge_masks, to_additive
 from mhalab.nn.dropout import draws_own_mask
+from mhalab.nn.masks import ShapeError, dead_rows, merge_masks, to_additive
 from mhalab.nn.script import refuse
 from mhalab.nn.unpad import Unpadding
 from mhalab.nn.varlen import varlen_applies, varlen_attention

@@ -28,9 +28,9 @@ from torchmetrics.classification import (
 )
 
 from mhalab.model import ATTENTION_OPTIONS, SequenceClassifier
-from mhalab.train.common_random import keyed_init_
 from mhalab.nn.flops import train_flops
 from mhalab.train.callbacks.throughput import batch_tokens
+from mhalab.train.common_random import keyed_init_
 from mhalab.train.optimizer import (
     adamw_with_schedule,
     check_label_smoothing,
