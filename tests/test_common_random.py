@@ -20,7 +20,7 @@ from mhalab.train.run import build
 ONE_THREAD = True
 
 # every rule of INIT is used by one of these (a test checks), at widths where each parameter has many elements
-VARIANTS = ({"pos": "learned", "pooling": "cls", "attention": "linformer"}, {"pos": "t5"}, {})
+VARIANTS = ({"pos": "learned", "pooling": "cls", "attention": "linformer"}, {"pos": "t5"}, {"encoder": "official"})
 
 
 def _model(seed: int = 0, **kw) -> SequenceClassifier:

@@ -90,7 +90,9 @@ INIT = {
     ("LinformerAttention", "E"): ("uniform", lambda m: _xavier_bound(m.E.size(1), m.E.size(0), 1 / math.sqrt(2)), None),
     ("LinformerAttention", "F"): ("uniform", lambda m: _xavier_bound(m.F.size(1), m.F.size(0), 1 / math.sqrt(2)), None),
 }
-_LINEARS = {"NonDynamicallyQuantizableLinear": "Linear"}  # nn.MultiheadAttention's out_proj draws as nn.Linear
+# PyTorch's classes that draw as one above: nn.MultiheadAttention's out_proj (an nn.Linear), and nn.MultiheadAttention
+# itself (model=official: ours copies its init, draw for draw)
+_SAME_INIT = {"NonDynamicallyQuantizableLinear": "Linear", "MultiheadAttention": "MultiHeadAttention"}
 
 
 def rule(model: nn.Module, name: str):
@@ -103,7 +105,7 @@ def rule(model: nn.Module, name: str):
     for cut in range(len(parts)):  # outermost first
         owner = model.get_submodule(".".join(parts[:cut]))
         kind = type(owner).__name__
-        entry = (_LINEARS.get(kind, kind), ".".join(parts[cut:]))
+        entry = (_SAME_INIT.get(kind, kind), ".".join(parts[cut:]))
         if entry in INIT:
             return owner, INIT[entry]
     raise ValueError(f"init_draw=keyed does not know how parameter '{name}' is drawn; add its module's rule to "
