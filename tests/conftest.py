@@ -29,9 +29,9 @@ def nav_pages(items=None) -> list[str]:
 # The longest files (minutes, in one worker each: --dist loadfile), started first so that the workers finish
 # together; pytest-xdist would otherwise start files by their number of tests, and a long file of few tests
 # (test_faults) began last and ran alone. Only the order changes; every file's tests keep theirs.
-# Ranked by a fresh clone's durations (2026-12-05, after the fork server: 231, 85, 56, 48, 42, 39 and 37 s).
-LONGEST_FIRST = ("test_doc_commands.py", "test_faults.py", "test_cli_errors.py", "test_memory.py",
-                 "test_reference.py", "test_config_options.py", "test_gpu_check.py")
+# Ranked by the working checkout's durations (2026-12-07, the flat-memory loop slow: 274, 69, 68, 64, 39, 31 and 28 s).
+LONGEST_FIRST = ("test_doc_commands.py", "test_cli_errors.py", "test_faults.py", "test_gpu_check.py",
+                 "test_config_options.py", "test_verdict_statistics.py", "test_install.py")
 
 
 def pytest_collection_modifyitems(items) -> None:
