@@ -105,3 +105,16 @@ def test_every_committed_sweep_passes_the_checks_unchanged():
     for csv in sorted((REPO / "results/sweeps").glob("*/*/results.csv")):
         df = read_sweep(csv.parent)[0]
         assert len(df) == len(pd.read_csv(csv)) and df.attrs["notes"] == [], csv
+
+
+def test_rows_from_before_keyed_draws_pooled_with_keyed_rows_are_refused(tmp_path, capsys):
+    """The committed table has no init_draw column (PyTorch's draws); a row with keyed draws added to one of its
+    settings (a sweep continued after 2026-12-07) is not a replicate of it."""
+    def add_keyed(df):
+        new = df.iloc[[7]].assign(seed=97, init_draw="keyed")
+        return pd.concat([df.assign(init_draw=float("nan")), new], ignore_index=True)
+
+    folder = _sweep(tmp_path, add_keyed)
+    err = _refused(folder, capsys)
+    assert err.startswith("error: setting 'dropout=0.0': results.csv line 66 ran with init_draw=keyed where its other "
+                          "seeds ran with init_draw=torch"), err

@@ -131,7 +131,8 @@ def test_a_sweep_run_until_decided_adds_seeds_only_where_needed_and_a_rerun_repl
     first = {("0.0", 0): 0.80, ("0.0", 1): 0.84, ("0.1", 0): 0.81, ("0.1", 1): 0.86}  # learned, undecided
     pd.DataFrame([{"member": f"gone/{p}/{s}", "overrides": " ".join([f"dropout={p}", *setting, f"seed={s}"]),
                    "seed": s, "status": "finished", "best_val_acc": v, "dim": 32, "heads": 4, "ff_dim": 128,
-                   "dropout": float(p), "wall_time_s": 10.0, "val_majority_acc": 0.5, "val_classes_predicted": 2}
+                   "dropout": float(p), "wall_time_s": 10.0, "val_majority_acc": 0.5, "val_classes_predicted": 2,
+                   "init_draw": "keyed"}
                   for (p, s), v in first.items()]).to_csv(sweep / "results.csv", index=False)
     cmd = [sys.executable, str(REPO / "train.py"), "-m", "hydra/sweeper=until_decided", "sweep.until_decided=true",
            "sweep.max_seeds=3", "sweep.round_seeds=1", f"hydra.sweep.dir={sweep}", f"paths.data_dir={toy_data_dir}",
@@ -355,3 +356,24 @@ def test_the_claims_table_at_another_margin_does_not_read_a_sequential_sweeps_lo
     text = render(tmp_path, margin=0.5, baselines=None)
     assert "| **not read** (run until decided at ±1 point: not read at another margin) |" in text
     assert "(seeds until decided: look 8 of 9)" in render(tmp_path, baselines=None)
+
+
+def test_continuing_a_sweep_drawn_pytorchs_way_with_keyed_draws_is_refused_in_one_line_before_any_member_runs(
+        tmp_path, toy_data_dir, fork_server):
+    """A committed results.csv from before 2026-12-07 (no init_draw column: PyTorch's draws) copied into a sweep dir
+    and continued with the default init_draw=keyed: the new members would not be replicates of the old."""
+    sweep = tmp_path / "sweep"
+    sweep.mkdir()
+    pd.DataFrame([{"member": f"gone/{p}/{s}", "overrides": f"dropout={p} seed={s}", "seed": s, "status": "finished",
+                   "best_val_acc": 0.8 + 0.01 * s, "dim": 32, "heads": 4, "ff_dim": 128, "dropout": float(p),
+                   "val_majority_acc": 0.5, "val_classes_predicted": 2}
+                  for p in ("0.0", "0.1") for s in (0, 1)]).to_csv(sweep / "results.csv", index=False)
+    cmd = [sys.executable, str(REPO / "train.py"), "-m", "hydra/sweeper=until_decided", "sweep.until_decided=true",
+           "sweep.max_seeds=3", "sweep.round_seeds=1", f"hydra.sweep.dir={sweep}", f"paths.data_dir={toy_data_dir}",
+           "trainer=cpu", "dropout=0.0,0.1", "seed=0,1"]
+    proc = fork_server.run(cmd, cwd=tmp_path, env=dict(os.environ, PYTHONHASHSEED="0"), timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"error: {sweep} holds members with init_draw=torch and this sweep would add members with init_draw=keyed: "
+        f"they would not be replicates. Continue it with init_draw=torch, or give a new hydra.sweep.dir.")
+    assert not list(sweep.glob("*/metrics.json"))  # no member ran

@@ -31,7 +31,7 @@ from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf
 
-from mhalab.errors import ConfigError, exit_with
+from mhalab.errors import ConfigError, UserError, exit_with
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +40,15 @@ def _key(overrides: list[str], seed: Any) -> tuple[frozenset, float]:
     from mhalab.analysis.report.collect import run_key, setting_of
 
     return run_key(setting_of(overrides), seed)
+
+
+def _check_draws(df, init_draw: str, root: Path) -> None:
+    """Refuse to continue a sweep whose finished rows drew their initial weights another way than this run would."""
+    other = sorted(set(df["init_draw"].dropna()) - {init_draw})
+    if other:
+        raise ConfigError(f"{root} holds members with init_draw={', '.join(other)} and this sweep would add members "
+                          f"with init_draw={init_draw}: they would not be replicates. Continue it with "
+                          f"init_draw={other[0]}, or give a new hydra.sweep.dir.")
 
 
 class UntilDecidedSweeper(BasicSweeper):
@@ -99,8 +108,12 @@ class UntilDecidedSweeper(BasicSweeper):
                 df = read_sweep(root)[0]
                 done = {_key(str(o).split(" "), s) for o, s, st in zip(df["overrides"], df["seed"], df["status"])
                         if st == "finished"}
+                if not looks:  # before any member runs: rows drawn another way are no replicates of this sweep's
+                    _check_draws(df, str(self.config.get("init_draw", "torch")), root)
             except NoMembersError:  # a new sweep
                 done = set()
+            except UserError as e:  # rows that cannot be averaged (integrity), or drawn another way: one line
+                exit_with(e)
             batch = [[*templates[k], f"seed={s}"] for k in templates if k in active for s in seeds
                      if (k, float(s)) not in done]
             if batch:
@@ -111,7 +124,10 @@ class UntilDecidedSweeper(BasicSweeper):
                 job_idx += len(batch)
                 returns.append(results)
             looks.append(list(seeds))
-            df = read_sweep(root)[0]
+            try:
+                df = read_sweep(root)[0]
+            except UserError as e:
+                exit_with(e)
             read = seq.read_looks(df, looks, design)
             last, stop = read[-1], seq.stop_reason(read, design, df)
             (root / seq.RECORD).write_text(json.dumps(

@@ -381,6 +381,9 @@ def _csv_rows(path: Path, metric: str) -> pd.DataFrame:
     for c in RESULT_COLUMNS:
         if c not in df:
             df[c] = np.nan
+    # every row written before the column drew its initial weights PyTorch's way: said, so that integrity refuses a
+    # setting that pools them with keyed rows (dropout_draw stays empty: rows of 2026-12-07 drew 16-bit masks unsaid)
+    df["init_draw"] = df["init_draw"].fillna("torch")
     if not np.allclose(pd.to_numeric(df["monitored"], errors="coerce"),
                        pd.to_numeric(df[CSV_MONITORED[metric]], errors="coerce"), equal_nan=True):
         df["monitored_gain"] = np.nan  # written for another metric: its gains are that metric's
