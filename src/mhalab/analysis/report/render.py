@@ -116,8 +116,9 @@ def _scale_lines(df: pd.DataFrame, metric: str, margin: float) -> list[str]:
         (f"- ff_dim: {_uniq(df, 'ff_dim')} (ff_dim/dim: {_uniq(df, 'ff_ratio')}); dropout: {_uniq(df, 'dropout')}; "
         f"lr: {_uniq(df, 'lr')}"),
         f"- attention: {_uniq(df, 'attention')}; positions: {_uniq(df, 'pos')}",
-        *([f"- random draws: initial weights {_uniq(df, 'init_draw')} (keyed: common random numbers across settings); "
-           f"dropout masks {_uniq(df, 'dropout_draw')}"] if "init_draw" in df and df["init_draw"].notna().any() else []),
+        *([(f"- random draws: initial weights {_uniq(df, 'init_draw')} (keyed: common random numbers across "
+            f"settings); dropout masks {_uniq(df, 'dropout_draw')}")]
+          if "init_draw" in df and df["init_draw"].notna().any() else []),
         f"- epochs: max_epochs {_uniq(df, 'max_epochs')}, run "
         + (f"{int(epochs.min())}–{int(epochs.max())}" if len(epochs) else "?"),
         *_trained_lines(df, metric, margin),
