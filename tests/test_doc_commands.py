@@ -9,8 +9,11 @@ own, forked from one that has imported what the commands import (tests/fork_serv
 - training runs (`python train.py`, `make train`): 2 batches of 4 examples of train / val / test, 1 epoch, no bar
   (the long-sequence sweeps and the pretrainings spend their time computing, not starting);
 - sweeps (`-m`, `sweep=`, `hparams_search=`): also `seed=0` (one seed per setting) and 2 Optuna trials; a sweep
-  run until decided gets 2 first seeds and a budget of 3;
+  run until decided gets 2 first seeds and a budget of 3 (one round at most);
   a sweep a later `mhalab-ensemble runs=` line reads gets `seed=0,1,2` instead (an ensemble of 3 members);
+  the first sweep whose preset runs members on joblib's workers runs as written (two workers); the later ones get
+  `hydra.launcher.n_jobs=1`, which joblib runs in the sweep's own process (two workers start two interpreters,
+  ~10 s of imports a sweep, to train a few tiny batches);
 - GPU-sized lines (`experiment=article`, `*_gpu`): the CPU, float32, batches of 4 x 32 tokens and one
   layer of the article's width (dim 512, 8 heads, ff 2048): each checkpoint of six would be 230 MB;
 - `make bench`: one short sequence length, one repetition; `scripts/sequential_cost.py`: a tenth of its draws.
@@ -37,6 +40,7 @@ import pytest
 import torch
 from cli_driver import console_scripts
 from conftest import REPO, nav_pages
+from hydra import compose, initialize_config_dir
 
 from mhalab.train import record
 
@@ -70,6 +74,7 @@ TINY = ["++trainer.limit_train_batches=2", "++trainer.limit_val_batches=2", "++t
 SWEEP = ["seed=0"]
 # a sweep run until decided needs 2 first seeds; a budget of 3 keeps it to one round at most
 UNTIL_DECIDED = ["seed=0,1", "sweep.max_seeds=3", "sweep.round_seeds=1"]
+ONE_JOB = ["hydra.launcher.n_jobs=1"]  # joblib runs the members in the sweep's own process
 ON_CPU = ["trainer.accelerator=cpu", "trainer.precision=32-true", "trainer.devices=1", "batch_size=4",
           "max_len=32", "layers=1"]
 BENCH = "seq_lens=[64] reps=1 warmup=0 memory=false"
@@ -168,6 +173,13 @@ def checkout(tmp_path_factory) -> dict:
     return {"root": root, "run": None, "sweep": None}
 
 
+def _launcher(words: list[str]) -> str:
+    """The launcher a sweep command composes: its preset's, or the one it names."""
+    choices = [w for w in words if w.startswith(("sweep=", "hydra/launcher="))]
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        return compose("train", overrides=choices, return_hydra_config=True).hydra.launcher._target_
+
+
 def _expand(words: list[str], state: dict) -> tuple[list[str], str]:
     """The command to run, and what to check afterwards ("run", "sweep", "compose", "plain")."""
     line, original = " ".join(words), words
@@ -194,6 +206,9 @@ def _expand(words: list[str], state: dict) -> tuple[list[str], str]:
     extra = TINY + (seeds if sweep else []) + (["hydra.sweeper.n_trials=2"] if "hparams_search=" in line else [])
     if "experiment=article" in line or "_gpu" in line:
         extra += ON_CPU
+    if sweep and "joblib" in _launcher(words):
+        extra += ONE_JOB if state.setdefault("two_jobs_shown", False) else []
+        state["two_jobs_shown"] = True
     if sweep and "hydra.sweep.dir=" not in line:
         extra.append(f"hydra.sweep.dir=multirun/doc-{len(state.get('sweeps', []))}")
     if not sweep and "hydra.run.dir=" not in line:
