@@ -47,12 +47,13 @@ Power: ``tests/test_verdict_statistics.py`` simulates tables with known effects.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
-from scipy import optimize, stats
+from scipy import optimize, special, stats
 
 from mhalab.analysis.report.values import natural_key
 
@@ -271,14 +272,20 @@ def detectable_effect(se: float, df: float, alpha: float = ALPHA, power: float =
     Checked against simulated paired designs in tests/test_verdict_statistics.py."""
     if not (se > 0 and df > 0):
         return math.nan
-    crit = stats.t.ppf(1 - alpha / 2, df)
+    return se * _detectable_noncentrality(float(df), alpha, power)
 
-    def shortfall(d: float) -> float:
-        nc = d / se
-        lower = stats.nct.cdf(-crit, df, nc)  # the wrong-sign rejections: ~0, NaN in scipy when far out
-        return stats.nct.sf(crit, df, nc) + (0.0 if math.isnan(lower) else lower) - power
 
-    high = (crit + stats.norm.ppf(power)) * se  # the normal approximation; few seeds need more
+@functools.lru_cache(maxsize=4096)
+def _detectable_noncentrality(df: float, alpha: float, power: float) -> float:
+    """detectable_effect in standard errors: the power depends on the effect only through d / se (the noncentrality),
+    so one root per (df, alpha, power) serves every se (a sweep's paired comparisons share df)."""
+    crit = special.stdtrit(df, 1 - alpha / 2)  # t's quantile; special's functions are scipy.stats' own, ~100x lighter
+
+    def shortfall(nc: float) -> float:
+        lower = special.nctdtr(df, nc, -crit)  # the noncentral t's cdf: wrong-sign rejections, ~0 (NaN far out)
+        return 1.0 - special.nctdtr(df, nc, crit) + (0.0 if math.isnan(lower) else lower) - power
+
+    high = crit + special.ndtri(power)  # the normal approximation; few seeds need more
     while shortfall(high) < 0:
         high *= 1.5
     return float(optimize.brentq(shortfall, 0.0, high))
