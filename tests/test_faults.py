@@ -36,13 +36,18 @@ ENV = dict(os.environ, PYTHONHASHSEED="0", PYTHONPATH=str(Path(__file__).parent)
 
 
 class Throttle(L.Callback):
-    """Slow each training batch down, so that a signal from outside lands in the middle of training."""
+    """Slow each training batch down, so that a signal from outside lands in the middle of training; with `gate`
+    (a file's path), hold every batch until that file exists instead: the test says when the run goes on."""
 
-    def __init__(self, seconds: float = 0.05):
-        self.seconds = seconds
+    def __init__(self, seconds: float = 0.05, gate: str | None = None):
+        self.seconds, self.gate = seconds, gate
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        time.sleep(self.seconds)
+        deadline = time.time() + 300  # a test that failed before opening the gate: the run still ends
+        while self.gate and not os.path.exists(self.gate) and time.time() < deadline:
+            time.sleep(0.02)
+        if not self.gate:
+            time.sleep(self.seconds)
 
 
 def _cmd(run_dir: Path, data: Path, *extra: str) -> list[str]:
@@ -158,11 +163,11 @@ def test_ctrl_c_from_outside_at_any_moment_resumes_exactly(straight, tmp_path, t
 
 def test_second_process_into_a_live_run_dir_is_refused_and_the_first_run_is_untouched(
         straight, tmp_path, toy_data_dir, fork_server):
-    out = tmp_path / "run"
-    # 0.2 s a batch: the first run (50 batches) outlives the second's start-up (imports, Hydra) even on a busy
-    # machine; at 0.05 s it could finish first, and the second then found a finished run (exit 0)
+    out, gate = tmp_path / "run", tmp_path / "gate"
+    # the first run holds its first batch until the second has been refused: it is live whatever the machine's
+    # speed (a throttled run could finish first on a busy machine, and the second then found a finished run)
     first = fork_server.popen(_cmd(out, toy_data_dir, "+callbacks.throttle._target_=test_faults.Throttle",
-                                   "+callbacks.throttle.seconds=0.2"), env=ENV)
+                                   f"+callbacks.throttle.gate={gate}"), env=ENV)
     deadline = time.time() + 120  # the lock is taken first, the record written a moment later
     while time.time() < deadline and not (rundir.is_live(out) and record.path(out).exists()):
         time.sleep(0.05)
@@ -171,6 +176,8 @@ def test_second_process_into_a_live_run_dir_is_refused_and_the_first_run_is_unto
     assert second.returncode == 2
     lines = [ln for ln in second.stderr.splitlines() if ln.strip()]
     assert lines[-1].startswith(f"error: {out} is in use by pid {first.pid} on ") and "Traceback" not in second.stderr
+    assert first.poll() is None  # still holding its first batch: the refusal was of a live run
+    gate.touch()
     _, err = first.communicate(timeout=300)
     assert first.returncode == 0, err[-3000:]
     _assert_same_run(straight, out)  # the live run finished as if alone: its log and record intact
