@@ -53,6 +53,14 @@ def test_claims_table_has_each_sweeps_verdict_and_effect_as_the_report_decides(t
     assert capsys.readouterr().out.startswith("# The article's claims, tested")
 
 
+def test_the_command_that_runs_a_sweep_again_names_what_every_member_was_run_with(tmp_path):
+    """A sweep run at 20 epochs: its command says max_epochs=20 (without it, it reran the data set's 10 epochs)."""
+    df = _sweep(tmp_path, "trec", "dropout", "dropout", {0.0: 0.80, 0.1: 0.83, 0.3: 0.81})
+    df["setting"] = df["setting"] + " data=trec max_epochs=20"
+    df.to_csv(tmp_path / "trec" / "dropout" / "results.csv", index=False)
+    assert "| `mhalab-train sweep=dropout data=trec max_epochs=20` |" in render(tmp_path)
+
+
 @pytest.mark.parametrize("args,message", [
     (["{tmp}/none"], "is not a folder; give the folder that `make sweeps` fills"),
     (["{tmp}"], "no <data set>/<preset>/results.csv under"),

@@ -89,7 +89,9 @@ def sweep_rows(data: str, preset: str, csv: Path, margin: float | None) -> tuple
     best = top.iloc[0] if len(top) == 1 and not withheld else None
     wall = pd.to_numeric(df["wall_time_s"], errors="coerce").fillna(0).sum()
     names = df["dataset"].dropna() if "dataset" in df else pd.Series(dtype=object)
-    info = {"data": data, "preset": preset, "runs": len(df), "finished": int(ok.sum()),
+    # what every member was run with besides the data set (max_epochs=20): the command that runs it again says it
+    also = [w for w in df.attrs.get("common", []) if not w.startswith("data=")]
+    info = {"data": data, "preset": preset, "runs": len(df), "finished": int(ok.sum()), "also": also,
             "cpu_h": wall / 3600, "scale": _scale(df), "dataset": names.iloc[0] if len(names) else data,
             "best": None if best is None else (_without_data(best["setting"]), best["best_val_acc_mean"],
                                                best["test_acc_mean"])}
@@ -202,8 +204,8 @@ def _sweep_table(infos: list[dict], baselines: Path | None) -> list[str]:
          "|---|---|---|---|---|---|---|---|"]
     for i in infos:
         best = "–" if i["best"] is None else f"{i['best'][0]}: {i['best'][1] * 100:.1f} / {i['best'][2] * 100:.1f}"
-        command = ("–" if regime(i["data"]) else
-                   f"`mhalab-train sweep={i['preset']} data={i['data']}{i.get('until_decided', '')}`")
+        words = ["mhalab-train", f"sweep={i['preset']}", f"data={i['data']}", *i["also"]]
+        command = "–" if regime(i["data"]) else f"`{' '.join(words)}{i.get('until_decided', '')}`"
         L.append(f"| {i['data']} | {i['preset']} | {i['runs']} ({i['finished']}) | {i['cpu_h']:.2f} h | {best} | "
                  f"{_baseline(baselines, i['dataset'])} | {i['scale']} | {command} |")
     return L + ["", f"At the article's width on a GPU: {GPU_PRESETS}, then `mhalab-report` on the sweep dir.", ""]
