@@ -41,10 +41,10 @@ class Throttle(L.Callback):
 
     def __init__(self, seconds: float = 0.05, gate: str | None = None):
         self.seconds, self.gate = seconds, gate
+        self.deadline = time.time() + 300  # a test that failed before opening the gate: the run still ends soon
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        deadline = time.time() + 300  # a test that failed before opening the gate: the run still ends
-        while self.gate and not os.path.exists(self.gate) and time.time() < deadline:
+        while self.gate and not os.path.exists(self.gate) and time.time() < self.deadline:
             time.sleep(0.02)
         if not self.gate:
             time.sleep(self.seconds)
