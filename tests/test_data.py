@@ -26,6 +26,7 @@ from mhalab.data import (
     PAD_ID,
     SPECIALS,
     Collate,
+    EncodedSplit,
     LengthBatchSampler,
     TextClassificationDataModule,
     byte_tokenizer,
@@ -341,8 +342,18 @@ def test_collate_and_padding_fraction():
     assert b["padding_mask"].tolist() == [[False] * 4, [False, False, True, True]]
     assert b["labels"].tolist() == [1, 0] and b["lengths"].tolist() == [4, 2]
     assert padding_fraction([b]) == 2 / 8
-    assert Collate(pad_to=6)(items)["input_ids"].shape == (2, 6)
+    assert Collate(pad_to=6, pad_id=1)(items)["input_ids"].tolist() == [[2, 7, 8, 3, 1, 1], [2, 3, 1, 1, 1, 1]]
     assert padding_fraction([Collate(pad_to=6)(items)]) == 6 / 12
+
+
+def test_an_encoded_split_gives_each_example_and_its_label_and_the_collate_widens_its_int32_ids():
+    split = EncodedSplit.from_lists([[2, 7, 8, 3], [2, 3], [2, 5, 3]], [1, 0, 2])
+    assert split.ids.dtype == torch.int32 and len(split) == 3
+    assert [(ids.tolist(), label) for ids, label in (split[i] for i in (2, 0, 1))] == [
+        ([2, 5, 3], 2), ([2, 7, 8, 3], 1), ([2, 3], 0)]
+    assert all(type(split[i][1]) is int for i in range(3))
+    b = Collate()([split[0], split[1]])
+    assert b["input_ids"].dtype == torch.long and b["input_ids"].tolist() == [[2, 7, 8, 3], [2, 3, 0, 0]]
 
 
 # ---------------------------------------------------------------------- the batch sampler
