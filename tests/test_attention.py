@@ -835,3 +835,47 @@ def test_sdpa_integer_mask_is_refused():
     Q = torch.randn(B, 5, 4)
     with pytest.raises(TypeError, match=r"mask has dtype torch\.int64"):
         ScaledDotProductAttention()(Q, Q, Q, mask=torch.ones(5, 5, dtype=torch.int64))
+
+
+
+def _weight_sized_masked_fills(attention, Q, K, V, mask) -> int:
+    """How many masked_fill calls over a (..., L_q, L_k) tensor one forward and backward of the explicit computation
+    (need_weights=True) makes."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    scores = Q.shape[:-1].numel() * K.size(-2)
+    count = []
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func.overloadpacket == torch.ops.aten.masked_fill and out.numel() == scores:
+                count.append(func)
+            return out
+
+    with Count():
+        out, _ = attention(Q, K, V, mask=mask, need_weights=True)
+        out.sum().backward()
+    return len(count)
+
+
+def test_a_mask_without_dead_rows_skips_zeroing_them_on_cpu_and_gives_pytorchs_numbers():
+    # key padding leaves every query a key: no row to zero, so no pass over the weights for it, forward or backward
+    # (a dead row still gets one each way). The numbers are PyTorch's either way.
+    g = torch.Generator().manual_seed(5)
+    Q, K, V = (torch.randn(3, 2, 7, 4, dtype=torch.float64, generator=g, requires_grad=True) for _ in range(3))
+    live = torch.zeros(3, 1, 1, 7, dtype=torch.float64)
+    live[1, ..., 4:] = float("-inf")
+    attention = ScaledDotProductAttention(0.0).eval()
+    assert _weight_sized_masked_fills(attention, Q, K, V, live) == 0
+    dead = live.clone()
+    dead[2] = float("-inf")  # every key of batch 2 blocked
+    assert _weight_sized_masked_fills(attention, Q, K, V, dead) == 2
+
+    for mask in (live, dead):
+        Q.grad = None
+        out, _ = attention(Q, K, V, mask=mask, need_weights=True)
+        out.sum().backward()
+        ref = F.scaled_dot_product_attention(Q, K, V, attn_mask=mask).nan_to_num(0.0)  # PyTorch: NaN at dead rows
+        close(out, ref, 1e-12, "explicit against SDPA")
+        assert torch.isfinite(Q.grad).all() and (mask is live or Q.grad[2].abs().sum() == 0)

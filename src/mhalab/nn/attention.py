@@ -79,8 +79,13 @@ class ScaledDotProductAttention(nn.Module):
         # Q: (..., L_q, d)  K, V: (..., L_k, d)  mask: bool/float broadcastable to (..., L_q, L_k)
         if mask is not None and (mask.dtype == torch.bool or mask.dtype != Q.dtype):
             mask = to_additive(mask, "mask", Q.dtype)
-        dead = dead_rows(mask)  # no test of whether any row is dead: that would be a host sync on a GPU and a
-        if dead is not None:    # data-dependent branch under torch.compile; zeroing all-live rows is a no-op
+        dead = dead_rows(mask)
+        if dead is not None and dead.device.type == "cpu" and not torch.compiler.is_compiling() and not dead.any():
+            # no row dead (varlen's calls never have one): skip zeroing, a pass over the (..., L_q, L_k) weights
+            # forward and one backward. Asked on CPU in eager only: on a GPU it is a host sync, under torch.compile
+            # a data-dependent branch, and zeroing all-live rows gives the same numbers.
+            dead = None
+        if dead is not None:
             mask = mask.masked_fill(dead, 0.0)  # keep softmax finite; the row is zeroed below
 
         p = self.dropout.p if self.training else 0.0
@@ -136,7 +141,8 @@ def _blocked(attend, Q: Tensor, mask: Tensor | None, dead: Tensor | None, block:
     for s in range(0, Q.size(-2), block):
         m, d = mask, dead
         if mask is not None and mask.dim() >= 2 and mask.size(-2) > 1:  # per-query rows: slice them
-            m, d = mask[..., s : s + block, :], dead[..., s : s + block, :]
+            m = mask[..., s : s + block, :]
+            d = None if dead is None else dead[..., s : s + block, :]
         outs.append(checkpoint(attend, Q[..., s : s + block, :], m, d, use_reentrant=False))
     return torch.cat(outs, dim=-2)  # (..., L_q, d)
 
