@@ -837,7 +837,6 @@ def test_sdpa_integer_mask_is_refused():
         ScaledDotProductAttention()(Q, Q, Q, mask=torch.ones(5, 5, dtype=torch.int64))
 
 
-
 def _weight_sized_masked_fills(attention, Q, K, V, mask) -> int:
     """How many masked_fill calls over a (..., L_q, L_k) tensor one forward and backward of the explicit computation
     (need_weights=True) makes."""
