@@ -377,3 +377,36 @@ def test_continuing_a_sweep_drawn_pytorchs_way_with_keyed_draws_is_refused_in_on
         f"error: {sweep} holds members with init_draw=torch and this sweep would add members with init_draw=keyed: "
         f"they would not be replicates. Continue it with init_draw=torch, or give a new hydra.sweep.dir.")
     assert not list(sweep.glob("*/metrics.json"))  # no member ran
+
+
+COMMITTED = sorted((REPO / "results" / "sweeps").glob("*/*/sequential.json"))
+
+
+@pytest.mark.parametrize("path", COMMITTED, ids=[p.parent.relative_to(REPO / "results" / "sweeps").as_posix()
+                                                 for p in COMMITTED])
+def test_a_committed_sweep_read_again_stops_where_its_record_says_and_its_command_asks_its_design(path):
+    """Each committed sweep run until decided (the campaign's six, SST-2 dropout): its results.csv read again under
+    its recorded looks gives the stop its sequential.json recorded (why, look, seeds, members unused), and the command
+    it recorded (the one CAMPAIGN.md and README give) composes to the recorded design, so re-running it continues the
+    sweep instead of being refused."""
+    import shlex
+
+    from hydra import compose, initialize_config_dir
+
+    from mhalab.analysis.report.collect import read_sweep
+    from mhalab.analysis.report.sequential import check_design, read_record, stop_reason
+
+    record, saved = read_record(path.parent), json.loads(path.read_text())
+    df = read_sweep(path.parent)[0]
+    stop = stop_reason(read_looks(df, record["looks"], record["design"]), record["design"], df)
+    keys = ("why", "look", "seeds", "max_seeds", "budget", "unused")
+    assert {k: stop[k] for k in keys} == {k: saved["stopped"][k] for k in keys}
+
+    words = [w for w in shlex.split(record["command"])[1:] if w != "-m" and not w.startswith("hydra.sweep.dir=")]
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose("train", overrides=words, return_hydra_config=True)
+    first = str(cfg.hydra.sweeper.params.seed).split(",")
+    opts = cfg.sweep
+    asked = new_design(len(first), opts.round_seeds, opts.max_seeds, opts.alpha, opts.margin, "val/acc")
+    assert opts.until_decided and [int(s) for s in first] == record["looks"][0]
+    check_design(record["design"], asked)  # raises ConfigError naming the recorded value where they differ
