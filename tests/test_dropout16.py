@@ -36,6 +36,25 @@ def test_drop_rate_is_p_rounded_to_a_65536th_and_kept_elements_are_scaled_to_kee
     assert abs((y - x).mean().item()) < 5 * sd / math.sqrt(N)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_the_float_mask_gives_the_definitions_numbers_to_the_bit_forward_and_backward(dtype):
+    """dropout16 applies its mask in float arithmetic (ATen vectorizes it); its outputs and gradients are those of
+    the definition, where(lane >= level - 32768, x, 0) * scale, at every dtype (bf16 keeps the scale in float)."""
+    p, n = 0.1, 10_007
+    x = torch.randn(n, dtype=dtype, requires_grad=True)
+    torch.manual_seed(7)
+    y = dropout16(x, p)
+    g = torch.randn_like(y)
+    y.backward(g)
+    torch.manual_seed(7)  # the same draws, read as the module docstring defines them
+    lanes = torch.empty((n + 3) // 4, dtype=torch.int64).random_(-(1 << 63), None).view(torch.int16)[:n]
+    keep = lanes >= drop_level(p) - LEVELS // 2
+    scale = LEVELS / (LEVELS - drop_level(p))
+    assert y.dtype == dtype and 0.05 < 1 - keep.double().mean().item() < 0.15
+    assert torch.equal(y, torch.where(keep, x.detach(), 0.0) * scale)
+    assert torch.equal(x.grad, torch.where(keep, g, 0.0) * scale)
+
+
 def test_the_four_lanes_of_a_draw_drop_independently():
     torch.manual_seed(1)
     q = drop_level(0.5) / LEVELS
