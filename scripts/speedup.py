@@ -2,6 +2,7 @@
 IMDB's, and the whole default run (`make train`).
 
     python scripts/speedup.py [base=259cabe] [reps=3] [cases=[sst2,imdb,make_train]] [out=results/bench/speedup.md]
+    python scripts/speedup.py base=ecbc927 cases=[imdb] imdb_steps=80   # IMDB past its first steps' allocations
 
 The older commit is checked out beside this one (a git worktree, `../mhalab-<base>`, kept for later calls) and runs
 from its own source with this checkout's virtual environment. Each repetition runs every case once at each commit,
@@ -9,7 +10,8 @@ base first then this checkout, so drift spreads over both; a first untimed run p
 (tokenizer, encoded splits). Cases:
 
 - sst2: `train.py ++trainer.max_steps=300 test_after_fit=false`: real tokens / fit time;
-- imdb: `train.py data=imdb ++trainer.max_steps=20 test_after_fit=false`: the same;
+- imdb: `train.py data=imdb ++trainer.max_steps=20 test_after_fit=false`: the same (`imdb_steps=` sets the 20: a
+  change to what a step keeps in memory shows in its first steps, while the allocator grows to the step's peak);
 - make_train: `train.py` (3 epochs and the test, what `make train` runs): the command's wall time.
 
 Tokens and times come from each run's metrics.json (train_tokens, fit_time_s) and the clock around the command. Run
@@ -30,7 +32,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 QUIET = ["trainer.enable_progress_bar=false", "extras.print_config=false"]
 CASES = {"sst2": ["++trainer.max_steps=300", "test_after_fit=false"],
-         "imdb": ["data=imdb", "++trainer.max_steps=20", "test_after_fit=false"],
+         "imdb": ["data=imdb", "test_after_fit=false"],  # and ++trainer.max_steps=<imdb_steps>
          "make_train": []}
 
 
@@ -45,11 +47,12 @@ def checkout(base: str) -> Path:
     return tree
 
 
-def run_once(tree: Path, case: str, out: Path) -> dict:
+def run_once(tree: Path, case: str, out: Path, imdb_steps: int = 20) -> dict:
     """One run of `case` from the source in `tree`: its fit time, real tokens and the command's wall time."""
     env = dict(os.environ, PYTHONPATH=str(tree / "src"))  # that tree's mhalab before the installed checkout's
     t0 = time.perf_counter()
-    subprocess.run([sys.executable, str(tree / "train.py"), *QUIET, *CASES[case], f"hydra.run.dir={out}"], cwd=tree,
+    steps = [f"++trainer.max_steps={imdb_steps}"] if case == "imdb" else []
+    subprocess.run([sys.executable, str(tree / "train.py"), *QUIET, *CASES[case], *steps, f"hydra.run.dir={out}"], cwd=tree,
                    env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     wall = time.perf_counter() - t0
     rec = json.loads((out / "metrics.json").read_text())
@@ -59,7 +62,8 @@ def run_once(tree: Path, case: str, out: Path) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    opts = {"base": "259cabe", "reps": "3", "cases": "[sst2,imdb,make_train]", "out": "results/bench/speedup.md"}
+    opts = {"base": "259cabe", "reps": "3", "cases": "[sst2,imdb,make_train]", "out": "results/bench/speedup.md",
+            "imdb_steps": "20"}
     opts.update(w.split("=", 1) for w in argv)
     cases = [c for c in opts["cases"].strip("[]").split(",") if c]
     bad = [c for c in cases if c not in CASES]
@@ -80,7 +84,7 @@ def main(argv: list[str]) -> int:
         for r in range(int(opts["reps"])):
             for c in cases:
                 for k, tree in trees.items():
-                    runs[(c, k)].append(run_once(tree, c, tmp / f"{c}-{k}-{r}"))
+                    runs[(c, k)].append(run_once(tree, c, tmp / f"{c}-{k}-{r}", int(opts["imdb_steps"])))
                     print(c, k, r, json.dumps(runs[(c, k)][-1]), flush=True)
     lines = [(f"This checkout ({head.strip()}{', with uncommitted changes' if dirty else ''}) against "
              f"{opts['base']}, interleaved, {opts['reps']} repetitions "

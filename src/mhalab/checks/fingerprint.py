@@ -6,6 +6,10 @@ A change that moves the default run's numbers moves this loss. results/default_r
 measured beside the committed default run (scripts/default_run.py writes both, from a clean checkout), and
 tests/test_fingerprint.py compares this code's with it, digit for digit: such a change fails until its author
 re-runs the default run, so README's figure is always this code's.
+
+The last digits can also depend on the CPU kernels torch picks (AVX2, AVX512): a print holds for its environment
+(`environment()`). The record keeps the default run's own print and, under `also`, prints measured on other CPUs
+(`python scripts/default_run.py fingerprint_only=true` adds this machine's), so the test compares exactly on each.
 """
 
 from __future__ import annotations
@@ -52,6 +56,26 @@ def measure(out: Path, data_dir: str | None = None, cache_dir: str | None = None
     last = log.dropna(subset=["train/loss"]).iloc[-1]
     return {"steps": STEPS, "step": int(last["step"]), "train_loss": last["train/loss"], "overrides": list(OVERRIDES),
             **environment()}
+
+
+def measured_in(print_: dict, env: dict) -> bool:
+    """Whether `print_` was measured in environment `env` (environment()'s keys)."""
+    return all(print_.get(k) == v for k, v in env.items())
+
+
+def expected(record: dict, env: dict) -> dict | None:
+    """The print in `record` measured in environment `env`: the default run's own or one of `also`; None if none."""
+    return next((p for p in (record, *record.get("also", [])) if measured_in(p, env)), None)
+
+
+def other_prints(new: dict, old: dict | None) -> list[dict]:
+    """The prints of other environments to keep beside `new`, a new print of the same code or of a later commit:
+    those of `old` (its own and its `also`) measured elsewhere whose loss has new's digits. One with other digits
+    may be stale, and is dropped: a machine with no print skips the exact comparison until its print is added."""
+    here = {k: new[k] for k in environment()}
+    prints = [] if old is None else [old, *old.get("also", [])]
+    return [{k: p[k] for k in ("commit", *here, "train_loss")} for p in prints
+            if not measured_in(p, here) and p["train_loss"] == new["train_loss"]]
 
 
 def read(run_dir: Path) -> dict:
