@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
 import random
+import sys
 import threading
 from pathlib import Path
 
@@ -15,6 +17,19 @@ from omegaconf import DictConfig, open_dict
 import mhalab.train.config  # noqa: F401  (registers the config resolvers)
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def load_script(name: str):
+    """scripts/<name>.py as a module, for tests that call its functions (its dataclasses look their module up in
+    sys.modules while they are made)."""
+    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        del sys.modules[name]
+    return module
 
 
 def nav_pages(items=None) -> list[str]:

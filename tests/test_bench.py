@@ -134,19 +134,11 @@ def test_smallest_run_writes_json_markdown_and_png(tmp_path, capsys):
 def test_swap_bench_times_one_function_and_reports_ratios_of_its_medians(tmp_path):
     """scripts/swap_bench.py: the swapped copy computes the original's logits and gradients (checked before any
     timing, the figure in the title), and each row's ratio lies in its bootstrap interval."""
-    import importlib.util
     import re
-    import sys
 
-    from conftest import REPO
+    from conftest import load_script
 
-    spec = importlib.util.spec_from_file_location("swap_bench", REPO / "scripts" / "swap_bench.py")
-    swap_bench = importlib.util.module_from_spec(spec)
-    sys.modules["swap_bench"] = swap_bench  # its dataclass looks its module up there
-    try:
-        spec.loader.exec_module(swap_bench)
-    finally:
-        del sys.modules["swap_bench"]
+    swap_bench = load_script("swap_bench")
     out = tmp_path / "swap.md"
     swap_bench.main(["reps=3", "batch=3", "min_len=4", "max_len=9", f"out={out}"])
     text = out.read_text()

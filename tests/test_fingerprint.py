@@ -5,11 +5,10 @@ and README shows its figures. A change that moves the default run's numbers fail
 
 from __future__ import annotations
 
-import importlib.util
 import json
 
 import pytest
-from conftest import REPO, SHARED_DATA
+from conftest import REPO, SHARED_DATA, load_script
 
 from mhalab.checks import fingerprint
 
@@ -17,10 +16,7 @@ RECORD = REPO / "results" / "default_run"
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("default_run", REPO / "scripts" / "default_run.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("default_run")
 
 
 def test_this_codes_default_run_loss_at_step_100_equals_the_committed_fingerprint_exactly(tmp_path):

@@ -6,14 +6,12 @@ position of the (B, L) layout with a key-padding mask, as nn.TransformerEncoder 
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 
 import numpy as np
 import pytest
 import torch
-from conftest import REPO, compose_train
+from conftest import compose_train, load_script
 
 from mhalab.data.collate import Collate, PackedCollate
 from mhalab.data.sampler import PackedBatchSampler
@@ -279,12 +277,9 @@ def test_cuda_varlen_kernel_equals_the_padded_computation(dtype):
     assert (a.float() - b.float())[~kpm].abs().max() < 2e-2
 
 
-def test_varlen_stack_script_writes_its_table_with_the_official_encoder_as_reference(tmp_path, monkeypatch):
+def test_varlen_stack_script_writes_its_table_with_the_official_encoder_as_reference(tmp_path):
     """scripts/varlen_stack.py, as the README runs it, at tiny sizes: three encoders, the reference at 1.00x."""
-    spec = importlib.util.spec_from_file_location("varlen_stack", REPO / "scripts" / "varlen_stack.py")
-    script = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "varlen_stack", script)  # its dataclass looks its module up there
-    spec.loader.exec_module(script)
+    script = load_script("varlen_stack")
     out = tmp_path / "stack.md"
     script.main(["reps=1", "batch=2", "min_len=3", "max_len=8", f"out={out}"])
     rows = [r for r in out.read_text().splitlines() if r.startswith(("| ours", "| nn."))]
