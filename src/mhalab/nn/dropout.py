@@ -47,6 +47,7 @@ def dropout16(x: Tensor, p: float) -> Tensor:
     # keep where lane >= level - 32768 (P(keep) = 1 - level / 65536), written in float arithmetic: lane - (that - 1)
     # is >= 1 where kept and <= 0 where dropped, so clamped to [0, 1] it is the keep mask. ATen vectorizes these
     # float passes and not a bool mask's `where` (3x slower a pass on CPU, twice a step: forward and backward).
+    # As in nn.Dropout, a dropped inf or NaN gives NaN (x * 0), and a dropped negative -0.0.
     keep = lanes.to(torch.float32).sub_(level - LEVELS // 2 - 1).clamp_(0, 1)  # (x.shape): 1.0 kept, 0.0 dropped
     scale = LEVELS / (LEVELS - level)
     if x.dtype == torch.float32:  # the scale in the mask: x * (scale or 0), the where's numbers to the bit
