@@ -27,7 +27,11 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+
+from mhalab.analysis.options import doc, parse
+from mhalab.errors import one_line_errors
 
 REPO = Path(__file__).resolve().parents[1]
 QUIET = ["trainer.enable_progress_bar=false", "extras.print_config=false"]
@@ -61,16 +65,25 @@ def run_once(tree: Path, case: str, out: Path, imdb_steps: int = 20) -> dict:
             "test": (rec.get("best") or {}).get("test/acc")}
 
 
+@dataclass
+class SpeedupConfig:
+    base: str = field(default="259cabe", metadata=doc("the older commit (any git revision)"))
+    reps: int = field(default=3, metadata=doc("repetitions: every case once at each commit in each"))
+    cases: list[str] = field(default_factory=lambda: list(CASES), metadata=doc(f"of {list(CASES)}"))
+    imdb_steps: int = field(default=20, metadata=doc("the imdb case's optimizer steps"))
+    out: str = field(default="results/bench/speedup.md", metadata=doc("the markdown table (and its .json beside)"))
+
+
+@one_line_errors
 def main(argv: list[str]) -> int:
-    opts = {"base": "259cabe", "reps": "3", "cases": "[sst2,imdb,make_train]", "out": "results/bench/speedup.md",
-            "imdb_steps": "20"}
-    opts.update(w.split("=", 1) for w in argv)
-    cases = [c for c in opts["cases"].strip("[]").split(",") if c]
-    bad = [c for c in cases if c not in CASES]
-    if bad:
-        print(f"error: cases={bad}: choose among {list(CASES)}", file=sys.stderr)
+    args = parse(SpeedupConfig, argv, "python scripts/speedup.py", __doc__)
+    bad = [c for c in args.cases if c not in CASES]
+    if bad or args.reps < 1 or args.imdb_steps < 1:
+        what = f"cases={bad}: choose among {list(CASES)}" if bad else "reps and imdb_steps must be at least 1"
+        print(f"error: {what}", file=sys.stderr)
         return 2
-    trees = {"base": checkout(opts["base"]), "head": REPO}
+    cases = args.cases
+    trees = {"base": checkout(args.base), "head": REPO}
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True).stdout
     dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
                                 capture_output=True, text=True, check=True).stdout.strip())
@@ -81,13 +94,13 @@ def main(argv: list[str]) -> int:
         for c in cases:  # warm-up: caches
             for k, tree in trees.items():
                 run_once(tree, c if c != "make_train" else "sst2", tmp / f"warm-{c}-{k}")
-        for r in range(int(opts["reps"])):
+        for r in range(args.reps):
             for c in cases:
                 for k, tree in trees.items():
-                    runs[(c, k)].append(run_once(tree, c, tmp / f"{c}-{k}-{r}", int(opts["imdb_steps"])))
+                    runs[(c, k)].append(run_once(tree, c, tmp / f"{c}-{k}-{r}", args.imdb_steps))
                     print(c, k, r, json.dumps(runs[(c, k)][-1]), flush=True)
     lines = [(f"This checkout ({head.strip()}{', with uncommitted changes' if dirty else ''}) against "
-             f"{opts['base']}, interleaved, {opts['reps']} repetitions "
+             f"{args.base}, interleaved, {args.reps} repetitions "
              f"(`python scripts/speedup.py {' '.join(argv)}`, {time.strftime('%Y-%m-%d', time.gmtime(t_start))}, "
              f"{os.cpu_count()} CPUs, {(time.time() - t_start) / 60:.0f} min)"), "",
              "| case | measure | base (each run) | this checkout (each run) | ratio of medians |", "|---|---|---|---|---|"]
@@ -104,8 +117,8 @@ def main(argv: list[str]) -> int:
             lines.append(f"- {k}: " + ", ".join(f"{100 * x['dev']:.2f} / {100 * x['test']:.2f}"
                                                for x in runs[("make_train", k)]))
     text = "\n".join(lines) + "\n"
-    Path(opts["out"]).write_text(text)
-    (Path(opts["out"]).with_suffix(".json")).write_text(json.dumps({f"{c}/{k}": v for (c, k), v in runs.items()},
+    Path(args.out).write_text(text)
+    (Path(args.out).with_suffix(".json")).write_text(json.dumps({f"{c}/{k}": v for (c, k), v in runs.items()},
                                                                    indent=1) + "\n")
     print(text)
     return 0

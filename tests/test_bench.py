@@ -160,3 +160,19 @@ def test_swap_bench_times_one_function_and_reports_ratios_of_its_medians(tmp_pat
     ids, pad = torch.randint(1, 50, (2, 5)), torch.zeros(2, 5, dtype=torch.bool)
     with pytest.raises(RuntimeError, match="another function"):
         swap_bench.same_function(original, other, ids, pad, torch.tensor([0, 1]))
+
+
+@pytest.mark.parametrize("script, argv, message", [
+    ("speedup", ["imbd_steps=80"], "unknown option 'imbd_steps=80'; the options are base, reps, cases, imdb_steps, out"),
+    ("speedup", ["reps=x"], "reps=x is not valid"),
+    ("default_run", ["fingerprint_onl=true"], "unknown option 'fingerprint_onl=true'; the options are fingerprint_only"),
+])
+def test_a_timing_scripts_misspelled_option_is_one_line_before_any_run(script, argv, message, capsys, monkeypatch):
+    """A misspelled key would otherwise be ignored and the run measure the default (speedup.py read any key=value)."""
+    from conftest import load_script
+
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    with pytest.raises(SystemExit) as exit_:
+        load_script(script).main(argv)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.startswith(f"error: {message}") and err.count("\n") == 1
