@@ -26,7 +26,7 @@ from PIL import Image
 from torchmetrics.classification import MulticlassF1Score
 
 from mhalab.data import Collate
-from mhalab.train.callbacks import throughput
+from mhalab.train.callbacks import MemoryMonitor, throughput
 from mhalab.train.callbacks.throughput import RealTokenThroughput, batch_tokens
 from mhalab.train.module import Classifier, _per_class_metrics
 from mhalab.train.record.class_report import build_report, confusion_png, markdown
@@ -165,6 +165,7 @@ class _Recorder(L.Callback):
         self.batches.append({
             "num_tokens": batch["num_tokens"], "lengths_sum": int(batch["lengths"].sum()),
             "samples": len(batch["labels"]), "flops": pl_module.flops_per_batch,
+            "padded": batch["input_ids"].numel(),
             "correct": int((logits.argmax(-1) == batch["labels"]).sum()),
         })
 
@@ -242,6 +243,45 @@ def test_train_acc_is_each_batchs_accuracy_and_train_acc_epoch_the_epochs(fitted
     epochs = fitted.logger.values("train/acc_epoch")
     expected = [sum(x["correct"] for x in e) / sum(x["samples"] for x in e) for e in (b[:4], b[4:])]
     assert epochs == pytest.approx(expected, abs=1e-6)
+
+
+class _StopAt(L.Callback):
+    """Asks the run to stop after batch `at` (as Lightning's Timer does with max_time): the loggers write that step."""
+
+    def __init__(self, at: int):
+        self.at = at
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if batch_idx == self.at:
+            trainer.should_stop = True
+
+
+def test_per_step_values_are_written_every_log_interval_and_at_a_stop_each_from_its_own_step(tmp_path, toy_data_dir):
+    """log_every_n_steps=3 over 5 batches, a callback after the others stopping the run at batch 5 (index 4): the
+    loggers write steps 3 and 5 (indices 2 and 4), and each written train/acc, train/pad_frac and perf/rss_mb is
+    that batch's, not one left from an earlier step (the module logs them only on those steps, after every
+    callback has run)."""
+    cfg = compose_train(["dropout=0.0"], tmp_path / "out", toy_data_dir, tmp_path / "cache")
+    dm, _ = build(cfg)
+    module = Classifier(model=OmegaConf.to_container(cfg.model, resolve=True), vocab_size=dm.vocab_size,
+                        num_classes=dm.num_classes, pad_id=dm.pad_id, lr=0.0)
+    logger, recorder = _Capture(), _Recorder()
+    trainer = L.Trainer(accelerator="cpu", max_epochs=1, limit_train_batches=8, limit_val_batches=0,
+                        log_every_n_steps=3, logger=logger, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=[recorder, MemoryMonitor(), _StopAt(4)])
+    trainer.fit(module, datamodule=dm)
+    b = recorder.batches
+    assert len(b) == 5
+    acc = [(step, m["train/acc"]) for step, m in logger.rows if "train/acc" in m]
+    assert acc == [(2, pytest.approx(b[2]["correct"] / b[2]["samples"], abs=1e-6)),
+                   (4, pytest.approx(b[4]["correct"] / b[4]["samples"], abs=1e-6))]
+    pads = [(step, m["train/pad_frac"]) for step, m in logger.rows if "train/pad_frac" in m]
+    assert pads == [(i, pytest.approx(1 - b[i]["num_tokens"] / b[i]["padded"])) for i in (2, 4)]
+    # MemoryMonitor runs before the stop was asked for: the stopped step has no memory row, not an older one
+    assert [step for step, m in logger.rows if "perf/rss_mb" in m] == [2]
+    assert all(m["perf/rss_mb"] > 0 for _, m in logger.rows if "perf/rss_mb" in m)
+    epoch = logger.values("train/acc_epoch")  # the epoch's five batches
+    assert epoch == pytest.approx([sum(x["correct"] for x in b) / sum(x["samples"] for x in b)], abs=1e-6)
 
 
 def test_collated_num_tokens_is_a_python_int_equal_to_the_sum_of_lengths(fitted):
