@@ -78,21 +78,22 @@ PER_SEQUENCE = ("full", "window", "linformer")  # the kernels with per_sequence 
 def forward_flops(*, batch: int, seq_len: int, num_tokens: int, dim: int, heads: int, layers: int, ff_dim: int,
                   num_classes: int, attention: str = "full", attention_options: Mapping | None = None,
                   pooling: str = "mean", pos: str = "sinusoidal", encoder: str = "custom",
-                  lengths: Sequence[int] | None = None, head_dim: int | None = None, **_unused) -> int:
+                  lengths: Sequence[int] | SeqLens | None = None, head_dim: int | None = None, **_unused) -> int:
     """Forward FLOPs of SequenceClassifier on a (batch, seq_len) batch with num_tokens real (non-pad) tokens.
 
     The keywords are SequenceClassifier's (pass its config with `**model_cfg`; the ones that do not
     change the FLOPs, dropout, max_len, ..., are accepted and ignored), attention_options resolved
     (every option the chosen kernel reads). seq_len and num_tokens are the collated batch's: with
     pooling=cls the encoder sees one more position per sequence, the CLS vector, counted here.
-    lengths: the B sequences' real lengths (sum = num_tokens), for attention per sequence (see above).
+    lengths: the B sequences' real lengths (sum = num_tokens), for attention per sequence (see above); the batch's
+        SeqLens itself reuses the call plan the model made from it (cached), instead of planning again.
     head_dim: model.head_dim (None: dim / heads); attention works at D = heads x head_dim.
     """
     B, L, N, E = batch, seq_len, num_tokens, dim
     D = E if head_dim is None else heads * head_dim  # the attention's inner width
     if pooling == "cls":
         L, N = L + 1, N + B
-        lengths = None if lengths is None else [n + 1 for n in lengths]
+        lengths = None if lengths is None else [n + 1 for n in getattr(lengths, "lengths", lengths)]
     # custom encoder: unpadded only when something is padded (TransformerEncoder.forward); N = B * L otherwise
     positions = N if encoder == "custom" else B * L
     projections = 2 * positions * E * 3 * D + 2 * positions * D * E  # in-projection (E -> 3D) and W_O (D -> E)
@@ -100,7 +101,7 @@ def forward_flops(*, batch: int, seq_len: int, num_tokens: int, dim: int, heads:
     query_masks = pos in ("alibi", "t5")
     if encoder == "custom" and attention in PER_SEQUENCE and lengths is not None and N < B * L:
         # the calls varlen_attention's fallback makes (CallPlan: sequences of close length share a call, padded)
-        calls = SeqLens(lengths).plan(CALL_COST // D).calls
+        calls = (lengths if isinstance(lengths, SeqLens) else SeqLens(lengths)).plan(CALL_COST // D).calls
         attn = sum(attention_flops(attention, count, n, D, heads, attention_options, query_masks) for n, count in calls)
     else:
         attn = attention_flops(attention, B, L, D, heads, attention_options, query_masks)

@@ -1,8 +1,8 @@
 """LightningModule: cross-entropy training of a SequenceClassifier, with per-split and per-class metrics.
 
-Logged by the module: train/loss and train/acc (per step; train/acc_epoch: the epoch's accuracy),
-train/pad_frac (per step), {val,test}/{loss,acc,f1} (per epoch; f1 is the macro average), and with at
-most MAX_LOGGED_CLASSES classes {val,test}/f1_<label> per class (per epoch). Throughput (real tokens,
+Logged by the module: train/loss, train/acc and train/pad_frac (per step, on the steps the loggers write:
+mhalab.train.log_steps), train/acc_epoch (the epoch's accuracy), {val,test}/{loss,acc,f1} (per epoch; f1 is the
+macro average), and with at most MAX_LOGGED_CLASSES classes {val,test}/f1_<label> per class (per epoch). Throughput (real tokens,
 samples, FLOPs, MFU on CUDA) is logged by the callback mhalab.train.callbacks.throughput.RealTokenThroughput from
 `flops_per_batch`, set here per training batch; the learning rate by LearningRateMonitor.
 After each validation epoch and each test, `class_reports["validation" | "test"]` holds the per-class
@@ -31,6 +31,7 @@ from mhalab.model import ATTENTION_OPTIONS, SequenceClassifier
 from mhalab.nn.flops import train_flops
 from mhalab.train.callbacks.throughput import batch_tokens
 from mhalab.train.common_random import keyed_init_
+from mhalab.train.log_steps import loggers_write
 from mhalab.train.optimizer import (
     adamw_with_schedule,
     check_label_smoothing,
@@ -135,7 +136,7 @@ class Classifier(L.LightningModule):
         self.flops_per_batch: int | None = None
         self.token_counts = [0, 0]  # (real tokens, pad tokens) trained on: host ints from the batches' shapes
         self._nonfinite = None  # on CUDA: a device flag, set by a non-finite loss, read at the logging interval
-        self._step_values = None  # (logits, labels, pad fraction) of the last training batch, for on_train_batch_end
+        self._step_values = None  # (loss, logits, labels, pad fraction) of the last training batch: on_train_batch_end
         # what makes a checkpoint self-contained beside the weights (where the datamodule's state, with the
         # tokenizer, is saved; the data config; the W&B run id), written as checkpoint["mhalab"]
         self._extras: dict = dict(checkpoint_extras or {})
@@ -158,25 +159,20 @@ class Classifier(L.LightningModule):
         self.token_counts = [self.token_counts[0] + real, self.token_counts[1] + pads]
         self.flops_per_batch = self.batch_flops(batch)  # read by the throughput callback
         self.metrics["train_acc"].update(logits.detach(), batch["labels"])  # the epoch's: train/acc_epoch
-        # the progress bar turns its values into Python floats every step: on a GPU, a host sync per step, so
-        # there the bar gets the loss at the logging interval only (its own key, not sent to the loggers)
-        on_cpu = loss.device.type == "cpu"
-        self.log("train/loss", loss, prog_bar=on_cpu)
-        if not on_cpu and self.trainer._logger_connector.should_update_logs:
-            self.log("loss", loss, prog_bar=True, logger=False)
-        # logged in on_train_batch_end, on the steps whose values the loggers write
-        self._step_values = (logits.detach(), batch["labels"], pads / (real + pads))
+        self._step_values = (loss.detach(), logits.detach(), batch["labels"], pads / (real + pads))
         return loss
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
-        """This step's accuracy and padding, logged only where the loggers write them (every log_every_n_steps,
-        and a step the run stops at): a self.log costs ~0.3 ms on CPU, ~2% of a default step, and Lightning keeps
-        only the last value it was given. Here, after every callback's hook, a stop a callback just asked for
-        counts too, so no step is written with an older step's values."""
-        logits, labels, pad_frac = self._step_values
-        if self.trainer._logger_connector.should_update_logs:
-            self.log("train/acc", (logits.argmax(-1) == labels).float().mean())  # MulticlassAccuracy(micro)'s
-            self.log("train/pad_frac", pad_frac)
+        """This step's loss, accuracy and padding, logged only on the steps whose values the loggers write
+        (mhalab.train.log_steps: every log_every_n_steps, and a step the run stops at), after every callback's hook.
+        The progress bar shows the loss from those steps too: on a GPU it reads it as a Python float, a host sync, so
+        once per interval is what a GPU step can afford, and on CPU a self.log a step is ~1% of the step."""
+        if not loggers_write(self.trainer):
+            return
+        loss, logits, labels, pad_frac = self._step_values
+        self.log("train/loss", loss, prog_bar=True)
+        self.log("train/acc", (logits.argmax(-1) == labels).float().mean())  # MulticlassAccuracy(micro)'s value
+        self.log("train/pad_frac", pad_frac)
 
     def on_train_epoch_end(self):
         # the epoch's accuracy over its batches: Lightning computes the metric and resets it after this hook
@@ -215,8 +211,8 @@ class Classifier(L.LightningModule):
             B, L = seqlens.batch, seqlens.max_seqlen
         else:
             B, L = batch["input_ids"].shape
-        lengths = seqlens.lengths if seqlens is not None else None
-        return train_flops(batch=B, seq_len=L, num_tokens=batch_tokens(batch), lengths=lengths, **self._flops_cfg)
+        # the SeqLens itself: its call plan, made by the forward, is reused (cached) rather than made again
+        return train_flops(batch=B, seq_len=L, num_tokens=batch_tokens(batch), lengths=seqlens, **self._flops_cfg)
 
     def _eval_step(self, batch, metrics, classes, prefix):
         logits = self._logits(batch)

@@ -21,6 +21,7 @@ import torch
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from mhalab.train.callbacks.memory import current_rss_mb, peak_memory_mb, reset_peak_memory
+from mhalab.train.log_steps import loggers_write
 
 log = logging.getLogger("mhalab")
 
@@ -321,13 +322,13 @@ class MemoryMonitor(L.Callback):
     memory grows step after step shows it here before the kernel's OOM killer ends it. (Which malloc the process
     runs on, mhalab.train.allocator, is in metrics.json's provenance.)
 
-    Read and written only on the steps the loggers write, straight to them as LearningRateMonitor does: a
-    self.log on every step cost ~0.3 ms of a ~30 ms default CPU step, and a self.log on those steps only would
-    leave Lightning its last value to write again, under a later step's number, at a step that a callback after
-    this one stops (max_time). That step gets no memory row instead."""
+    Read and written only on the steps the loggers write (mhalab.train.log_steps), straight to them as
+    LearningRateMonitor does: a self.log on every step cost ~0.3 ms of a ~30 ms default CPU step, and a self.log on
+    those steps only would leave Lightning its last value to write again, under a later step's number, at a step
+    that a callback after this one stops (max_time). That step gets no memory row instead."""
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if not trainer._logger_connector.should_update_logs:
+        if not loggers_write(trainer):
             return
         if pl_module.device.type == "cuda":
             values = {"perf/cuda_allocated_mb": torch.cuda.memory_allocated(pl_module.device) / 2**20,

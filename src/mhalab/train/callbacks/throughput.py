@@ -12,6 +12,8 @@ from lightning.pytorch.callbacks import ThroughputMonitor
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
+from mhalab.train.log_steps import loggers_write
+
 
 def batch_samples(batch: Mapping) -> int:
     """Sequences in a collated batch: a tensor's shape, never its values (no host sync)."""
@@ -83,7 +85,7 @@ class RealTokenThroughput(ThroughputMonitor):
         self._samples[stage] += batch_samples(batch)
         self._batches[stage] += 1
         self._pending_flops += getattr(pl_module, "flops_per_batch", None) or 0
-        if not trainer._logger_connector.should_update_logs:
+        if not loggers_write(trainer):
             return  # no sync on this batch
         torch.cuda.synchronize()  # once per logging interval: the clock then times finished work
         self._throughputs[stage].update(
