@@ -10,7 +10,9 @@ groups. Phases come from the Callback hooks' clock: `data` from the end of one s
 next batch, the collate, the loop), `forward` zero_grad and training_step (forward, loss, metrics, self.log),
 `backward`, `optimizer` (gradient clipping, AdamW, the scheduler), `hooks` the callbacks and loggers after the step.
 Op groups are self-times of ATen ops, so they add up without double counting; what is in no op (Python:
-Lightning's loop, our modules' Python, the autograd engine's bookkeeping) is the wall time left over.
+Lightning's loop, our modules' Python, the autograd engine's bookkeeping) is the wall time left over. The script
+starts again with mimalloc preloaded, as `mhalab-train` does (mhalab.train.allocator; before 2026-12-08 it ran on
+glibc's malloc, which made IMDB's first steps slower).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from lightning.pytorch.loggers import CSVLogger
 
 from mhalab.analysis.options import doc, emit, parse
 from mhalab.errors import one_line_errors
+from mhalab.train.allocator import reexec_with_allocator
 from mhalab.train.config import CONF_DIR, instantiate  # (and registers the configs' resolvers)
 from mhalab.train.run import build
 
@@ -195,6 +198,7 @@ def render(rows: list[dict], sgemm: dict[str, float], argv: list[str]) -> str:
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     args = parse(ProfileConfig, argv, "python scripts/profile_step.py", __doc__)
+    reexec_with_allocator()  # as mhalab-train does: the step is timed on the allocator runs train on (mimalloc)
     rows = [profile(d, args.steps if d != "imdb" else max(1, args.steps // 4), tuple(args.overrides))
             for d in args.data]
     sgemm = {"760 x 128 x 512 (a step's feed-forward)": sgemm_gflops(760, 128, 512),
