@@ -175,8 +175,10 @@ class Classifier(L.LightningModule):
         self.log("train/pad_frac", pad_frac)
 
     def on_train_epoch_end(self):
-        # the epoch's accuracy over its batches: Lightning computes the metric and resets it after this hook
-        self.log("train/acc_epoch", self.metrics["train_acc"], on_step=False, on_epoch=True)
+        # the epoch's accuracy over its batches: Lightning computes the metric and resets it after this hook (an
+        # epoch that trained no batch here, a run resumed at its very end, has none: nothing is logged, as before)
+        if self.metrics["train_acc"].update_called:
+            self.log("train/acc_epoch", self.metrics["train_acc"], on_step=False, on_epoch=True)
 
     def _check_finite(self, loss, batch_idx) -> None:
         """Stop on a NaN / inf loss. On CPU at once (reading a CPU tensor costs nothing); on a GPU a device flag
