@@ -65,6 +65,31 @@ def run_once(tree: Path, case: str, out: Path, imdb_steps: int = 20) -> dict:
             "test": (rec.get("best") or {}).get("test/acc")}
 
 
+def ratio(case: str, base: float, new: float) -> float:
+    """How many times better the new value is: shorter for make_train's seconds, higher for tokens per second."""
+    return base / new if case == "make_train" else new / base
+
+
+def render(runs: dict[tuple[str, str], list[dict]], cases: list[str], title: str) -> list[str]:
+    """The markdown table: each run's figure at each commit, the ratio of the medians, and each repetition's own
+    ratio (its base run against its run of this checkout): their spread is this machine's, which the median hides."""
+    lines = [title, "", "| case | measure | base (each run) | this checkout (each run) | ratio of medians | each pair |",
+             "|---|---|---|---|---|---|"]
+    for c in cases:
+        key, unit = ("wall_s", "s") if c == "make_train" else ("tok_s", "real tok/s")
+        base, new = ([x[key] for x in runs[(c, k)]] for k in ("base", "head"))
+        fmt = (lambda v: f"{v:,.0f}") if key == "tok_s" else (lambda v: f"{v:.0f}")
+        pairs = ", ".join(f"{ratio(c, b, n):.2f}" for b, n in zip(base, new))
+        lines.append(f"| {c} | {unit} | {', '.join(map(fmt, base))} | {', '.join(map(fmt, new))} | "
+                     f"**{ratio(c, statistics.median(base), statistics.median(new)):.2f}x** | {pairs} |")
+    if "make_train" in cases:
+        lines += ["", "The whole default run's accuracy, each run (dev / test):", ""]
+        for k in ("base", "head"):
+            lines.append(f"- {k}: " + ", ".join(f"{100 * x['dev']:.2f} / {100 * x['test']:.2f}"
+                                               for x in runs[("make_train", k)]))
+    return lines
+
+
 @dataclass
 class SpeedupConfig:
     base: str = field(default="259cabe", metadata=doc("the older commit (any git revision)"))
@@ -99,23 +124,11 @@ def main(argv: list[str]) -> int:
                 for k, tree in trees.items():
                     runs[(c, k)].append(run_once(tree, c, tmp / f"{c}-{k}-{r}", args.imdb_steps))
                     print(c, k, r, json.dumps(runs[(c, k)][-1]), flush=True)
-    lines = [(f"This checkout ({head.strip()}{', with uncommitted changes' if dirty else ''}) against "
+    title = (f"This checkout ({head.strip()}{', with uncommitted changes' if dirty else ''}) against "
              f"{args.base}, interleaved, {args.reps} repetitions "
              f"(`python scripts/speedup.py {' '.join(argv)}`, {time.strftime('%Y-%m-%d', time.gmtime(t_start))}, "
-             f"{os.cpu_count()} CPUs, {(time.time() - t_start) / 60:.0f} min)"), "",
-             "| case | measure | base (each run) | this checkout (each run) | ratio of medians |", "|---|---|---|---|---|"]
-    for c in cases:
-        key, unit, better = ("wall_s", "s", "lower") if c == "make_train" else ("tok_s", "real tok/s", "higher")
-        base, new = ([x[key] for x in runs[(c, k)]] for k in ("base", "head"))
-        ratio = (statistics.median(base) / statistics.median(new) if better == "lower"
-                 else statistics.median(new) / statistics.median(base))
-        fmt = (lambda v: f"{v:,.0f}") if key == "tok_s" else (lambda v: f"{v:.0f}")
-        lines.append(f"| {c} | {unit} | {', '.join(map(fmt, base))} | {', '.join(map(fmt, new))} | **{ratio:.2f}x** |")
-    if "make_train" in cases:
-        lines += ["", "The whole default run's accuracy, each run (dev / test):", ""]
-        for k in ("base", "head"):
-            lines.append(f"- {k}: " + ", ".join(f"{100 * x['dev']:.2f} / {100 * x['test']:.2f}"
-                                               for x in runs[("make_train", k)]))
+             f"{os.cpu_count()} CPUs, {(time.time() - t_start) / 60:.0f} min)")
+    lines = render(runs, cases, title)
     text = "\n".join(lines) + "\n"
     Path(args.out).write_text(text)
     (Path(args.out).with_suffix(".json")).write_text(json.dumps({f"{c}/{k}": v for (c, k), v in runs.items()},

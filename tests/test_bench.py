@@ -176,3 +176,20 @@ def test_a_timing_scripts_misspelled_option_is_one_line_before_any_run(script, a
         load_script(script).main(argv)
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and err.startswith(f"error: {message}") and err.count("\n") == 1
+
+
+def test_speedup_table_gives_each_pairs_ratio_beside_the_medians_and_shorter_is_better_for_make_train():
+    """Three repetitions whose pairs disagree (1.5x, 1.0x, 2.0x): the medians' ratio is 1.50x (15 against 10), and
+    each pair's own is shown, so a reader sees the machine's spread; make_train's seconds: base / new."""
+    from conftest import load_script
+
+    speedup = load_script("speedup")
+    runs = {("sst2", "base"): [{"tok_s": 10.0}, {"tok_s": 20.0}, {"tok_s": 5.0}],
+            ("sst2", "head"): [{"tok_s": 15.0}, {"tok_s": 20.0}, {"tok_s": 10.0}],
+            ("make_train", "base"): [{"wall_s": 100.0, "dev": 0.8, "test": 0.79}] * 2,
+            ("make_train", "head"): [{"wall_s": 50.0, "dev": 0.8, "test": 0.79}, {"wall_s": 80.0, "dev": 0.8,
+                                                                                 "test": 0.79}]}
+    lines = speedup.render(runs, ["sst2", "make_train"], "title")
+    assert lines[4] == "| sst2 | real tok/s | 10, 20, 5 | 15, 20, 10 | **1.50x** | 1.50, 1.00, 2.00 |"
+    assert lines[5] == "| make_train | s | 100, 100 | 50, 80 | **1.54x** | 2.00, 1.25 |"
+    assert lines[-1] == "- head: 80.00 / 79.00, 80.00 / 79.00"
