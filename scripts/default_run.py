@@ -64,7 +64,7 @@ def add_print_here() -> int:
     with tempfile.TemporaryDirectory() as d:
         print_ = {"commit": git("rev-parse", "HEAD"), **fingerprint.measure(Path(d) / "fingerprint")}
     also = [p for p in record.get("also", []) if not fingerprint.measured_in(p, here)]
-    record["also"] = [*also, {k: print_[k] for k in ("commit", *here, "train_loss")}]
+    record["also"] = [*also, fingerprint.entry(print_)]
     fingerprint.write(DEST, record)
     same = "the same digits as" if print_["train_loss"] == record["train_loss"] else "other digits than"
     print(f"added {here}: train/loss {print_['train_loss']} at step {print_['step']}, {same} the default run's "

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mhalab.analysis.options import doc, parse
-from mhalab.errors import one_line_errors
+from mhalab.errors import ConfigError, one_line_errors
 
 REPO = Path(__file__).resolve().parents[1]
 QUIET = ["trainer.enable_progress_bar=false", "extras.print_config=false"]
@@ -103,10 +103,10 @@ class SpeedupConfig:
 def main(argv: list[str]) -> int:
     args = parse(SpeedupConfig, argv, "python scripts/speedup.py", __doc__)
     bad = [c for c in args.cases if c not in CASES]
-    if bad or args.reps < 1 or args.imdb_steps < 1:
-        what = f"cases={bad}: choose among {list(CASES)}" if bad else "reps and imdb_steps must be at least 1"
-        print(f"error: {what}", file=sys.stderr)
-        return 2
+    if bad:
+        raise ConfigError(f"cases={bad}: choose among {list(CASES)}")
+    if args.reps < 1 or args.imdb_steps < 1:
+        raise ConfigError(f"reps={args.reps}, imdb_steps={args.imdb_steps}: both must be at least 1")
     cases = args.cases
     trees = {"base": checkout(args.base), "head": REPO}
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True).stdout

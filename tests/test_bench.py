@@ -165,6 +165,8 @@ def test_swap_bench_times_one_function_and_reports_ratios_of_its_medians(tmp_pat
 @pytest.mark.parametrize("script, argv, message", [
     ("speedup", ["imbd_steps=80"], "unknown option 'imbd_steps=80'; the options are base, reps, cases, imdb_steps, out"),
     ("speedup", ["reps=x"], "reps=x is not valid"),
+    ("speedup", ["cases=[sst2,imbd]"], "cases=['imbd']: choose among ['sst2', 'imdb', 'make_train']"),
+    ("speedup", ["reps=0"], "reps=0, imdb_steps=20: both must be at least 1"),
     ("default_run", ["fingerprint_onl=true"], "unknown option 'fingerprint_onl=true'; the options are fingerprint_only"),
 ])
 def test_a_timing_scripts_misspelled_option_is_one_line_before_any_run(script, argv, message, capsys, monkeypatch):

@@ -68,14 +68,18 @@ def expected(record: dict, env: dict) -> dict | None:
     return next((p for p in (record, *record.get("also", [])) if measured_in(p, env)), None)
 
 
+def entry(print_: dict) -> dict:
+    """A print as the record's `also` keeps it: its commit, its environment and its loss."""
+    return {k: print_[k] for k in ("commit", *environment(), "train_loss")}
+
+
 def other_prints(new: dict, old: dict | None) -> list[dict]:
     """The prints of other environments to keep beside `new`, a new print of the same code or of a later commit:
     those of `old` (its own and its `also`) measured elsewhere whose loss has new's digits. One with other digits
     may be stale, and is dropped: a machine with no print skips the exact comparison until its print is added."""
     here = {k: new[k] for k in environment()}
     prints = [] if old is None else [old, *old.get("also", [])]
-    return [{k: p[k] for k in ("commit", *here, "train_loss")} for p in prints
-            if not measured_in(p, here) and p["train_loss"] == new["train_loss"]]
+    return [entry(p) for p in prints if not measured_in(p, here) and p["train_loss"] == new["train_loss"]]
 
 
 def read(run_dir: Path) -> dict:
